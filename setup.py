@@ -1,0 +1,39 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fastdeploy_ext",
+    version="0.1.0",
+    description="MiniMax-M1 and MiDashengLM on a FastDeploy-style PaddlePaddle engine",
+    packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*"]),
+    package_data={"fastdeploy_ext": ["ops/*/README.md"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "jinja2",
+        "tqdm",
+        "pyyaml",
+        "soundfile",
+        "soxr",
+    ],
+    extras_require={
+        "cpu": ["paddlepaddle==3.3.1"],
+        "triton": ["triton==3.6.0"],
+        "serve": ["fastapi", "uvicorn"],
+        "align": ["torch==2.13.0", "transformers", "matplotlib"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "torch==2.13.0",
+            "transformers",
+            "triton==3.6.0",
+            "librosa",
+            "fastapi",
+            "uvicorn",
+            "openai",
+            "httpx",
+        ],
+    },
+    entry_points={"console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"]},
+)

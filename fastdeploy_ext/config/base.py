@@ -1,0 +1,130 @@
+"""Engine-side configuration: typed dataclasses bundled into ``FDConfig``.
+
+Model configs are separate typed classes (one per model family) built from ``config.json`` by the
+model's ``config_class.from_hf_config``; nothing here reads environment variables or guesses values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json or engine argument is missing, malformed or inconsistent."""
+
+
+_MISSING = object()
+
+
+def get_key(cfg: dict, key: str, where: str, default: Any = _MISSING, types: tuple = ()):
+    """Read ``cfg[key]``; without a default a missing key is an error naming it and the file."""
+    if key not in cfg or cfg[key] is None:
+        if default is _MISSING:
+            raise ConfigError(f"{where}: required key '{key}' is missing")
+        return default
+    value = cfg[key]
+    if types and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+        raise ConfigError(f"{where}: key '{key}' must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
+    return value
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if denominator <= 0 or numerator % denominator:
+        raise ConfigError(f"{what}: {numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON ({path}): {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must hold a JSON object: {path}")
+    return data
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    # A paddle.distributed group once tp > 1; None means "no collectives needed".
+    tp_group: Any = None
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.tensor_parallel_rank < self.tensor_parallel_size:
+            raise ConfigError(
+                f"tensor_parallel_rank {self.tensor_parallel_rank} outside [0, {self.tensor_parallel_size})"
+            )
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    # Without an explicit block count the pool is sized so that every sequence can reach max_model_len.
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len}) "
+                "needs enable_chunked_prefill=True, or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class QuantConfig:
+    method: str | None = None
+    group_size: int = 128
+    skip_modules: tuple = ()
+
+
+@dataclass
+class LoadConfig:
+    model_path: str = ""
+    # Compute dtype; Paddle on CPU computes in float32 only, so "auto" resolves to float32 there.
+    dtype: str = "float32"
+
+
+@dataclass
+class FDConfig:
+    """Everything a layer may need: ``fd_config.model_config`` is the model's typed config."""
+
+    model_config: Any
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    quant_config: QuantConfig = field(default_factory=QuantConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+
+
+def load_hf_config(model_dir: str) -> dict:
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model directory not found: {model_dir}")
+    return read_json(os.path.join(model_dir, "config.json"), "config.json")

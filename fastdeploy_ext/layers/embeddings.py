@@ -1,0 +1,90 @@
+"""Vocab-parallel embedding and LM head (fp32 logits)."""
+
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from fastdeploy_ext.config.base import divide
+from fastdeploy_ext.distributed.communication import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+    tp_rank,
+    tp_size,
+)
+from fastdeploy_ext.layers.linear import compute_dtype
+from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
+
+
+class VocabParallelEmbedding(nn.Layer):
+    """Rows ``[rank * V/tp, (rank+1) * V/tp)`` of the table on each rank; lookups outside the local
+    range contribute zeros and the all-reduce assembles the full embedding.
+
+    Parameter ``embeddings.weight``: ``[num_embeddings / tp, embedding_dim]``.
+    """
+
+    def __init__(self, fd_config, num_embeddings: int, embedding_dim: int, prefix: str = ""):
+        super().__init__()
+        self.fd_config = fd_config
+        self.prefix = prefix
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_size, self.tp_rank = tp_size(fd_config), tp_rank(fd_config)
+        self.per_rank = divide(num_embeddings, self.tp_size, f"{prefix}: vocab_size / tensor_parallel_size")
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.embeddings = nn.Layer()
+        self.embeddings.weight = create_param(self.embeddings, [self.per_rank, embedding_dim], compute_dtype(fd_config))
+        self.embeddings.weight.weight_loader = self.weight_loader
+        self.embeddings.weight.param_path = f"{prefix}.embeddings.weight"
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id is not None:
+            raise WeightLoadError(f"'{param.param_path}' takes no shard id, got {shard_id!r}")
+        check_shape(param.param_path, shape_of(loaded_weight), (self.num_embeddings, self.embedding_dim))
+        assign(param, as_float32(loaded_weight[self.vocab_start:self.vocab_start + self.per_rank]))
+        mark_loaded(param)
+
+    def forward(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
+        """``ids_remove_padding`` ``[T]`` int64 → ``[T, embedding_dim]``."""
+        if self.tp_size == 1:
+            return nn.functional.embedding(ids_remove_padding, self.embeddings.weight)
+        local = ids_remove_padding - self.vocab_start
+        in_range = (local >= 0) & (local < self.per_rank)
+        out = nn.functional.embedding(paddle.where(in_range, local, paddle.zeros_like(local)), self.embeddings.weight)
+        out = out * in_range.astype(out.dtype).unsqueeze(-1)
+        return tensor_model_parallel_all_reduce(out, self.fd_config)
+
+
+class ParallelLMHead(nn.Layer):
+    """Vocab-parallel output projection in fp32; ``forward`` returns full fp32 logits ``[T, V]``.
+
+    Parameter ``linear.weight``: ``[embedding_dim, num_embeddings / tp]`` (fp32 whatever the model dtype:
+    MiniMax and Qwen2 logits lose top-k order in bf16)."""
+
+    def __init__(self, fd_config, embedding_dim: int, num_embeddings: int, prefix: str = "lm_head"):
+        super().__init__()
+        self.fd_config = fd_config
+        self.prefix = prefix
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_size, self.tp_rank = tp_size(fd_config), tp_rank(fd_config)
+        self.per_rank = divide(num_embeddings, self.tp_size, f"{prefix}: vocab_size / tensor_parallel_size")
+        self.linear = nn.Layer()
+        self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], "float32")
+        self.linear.weight.weight_loader = self.weight_loader
+        self.linear.weight.param_path = f"{prefix}.linear.weight"
+
+    def weight_loader(self, param, loaded_weight, shard_id=None):
+        if shard_id is not None:
+            raise WeightLoadError(f"'{param.param_path}' takes no shard id, got {shard_id!r}")
+        check_shape(param.param_path, shape_of(loaded_weight), (self.num_embeddings, self.embedding_dim))
+        start = self.tp_rank * self.per_rank
+        assign(param, as_float32(loaded_weight[start:start + self.per_rank]).T)
+        mark_loaded(param)
+
+    def forward(self, hidden: paddle.Tensor, tied_embedding: paddle.Tensor | None = None) -> paddle.Tensor:
+        """``hidden`` ``[T, H]``; with ``tied_embedding`` (the local embedding shard) the head reuses it."""
+        hidden = hidden.astype("float32")
+        if tied_embedding is not None:
+            logits = paddle.matmul(hidden, tied_embedding.astype("float32"), transpose_y=True)
+        else:
+            logits = paddle.matmul(hidden, self.linear.weight)
+        return tensor_model_parallel_all_gather(logits, self.fd_config, axis=-1)

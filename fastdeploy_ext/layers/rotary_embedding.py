@@ -1,0 +1,68 @@
+"""Rotary position embeddings: one ``get_rope`` factory for every variant the models need.
+
+- ``neox``: rotate-half pairing inside the rotated slice, channel i with i + rotary_dim/2 (Qwen2 full
+  head; MiniMax-M1 partial, rotary_dim 64 of 128).
+- ``gptj``: interleaved pairing (2i, 2i+1), GLM's "partial 0.5 + interleave". Provided because ports
+  confused it with MiniMax's scheme; the two agree only at position 0.
+
+Channels ``[rotary_dim, head_dim)`` pass through untouched. The frequency ladder runs over
+``rotary_dim`` (θ_i = base^(−2i/rotary_dim)); cos/sin are fp32, computed the way transformers does
+(fp32 inverse frequencies times fp32 positions) so logits align to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy_ext.config.base import ConfigError
+
+
+class RotaryEmbedding(nn.Layer):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float, style: str = "neox"):
+        super().__init__()
+        if rotary_dim > head_dim or rotary_dim % 2 or rotary_dim <= 0:
+            raise ConfigError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+        if style not in ("neox", "gptj"):
+            raise ConfigError(f"unknown rotary style {style!r} (expected 'neox' or 'gptj')")
+        self.head_dim, self.rotary_dim, self.style = head_dim, rotary_dim, style
+        self.max_position = max_position
+        inv_freq = (1.0 / (np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))).astype(np.float32)
+        angles = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq[None, :]
+        # [max_position, rotary_dim/2]; tables are constants, not parameters (never loaded).
+        self.register_buffer("cos_cache", paddle.to_tensor(np.cos(angles)), persistable=False)
+        self.register_buffer("sin_cache", paddle.to_tensor(np.sin(angles)), persistable=False)
+
+    def cos_sin(self, positions: paddle.Tensor):
+        """positions ``[T]`` int64 → cos, sin ``[T, 1, rotary_dim/2]`` fp32."""
+        cos = paddle.gather(self.cos_cache, positions).unsqueeze(1)
+        sin = paddle.gather(self.sin_cache, positions).unsqueeze(1)
+        return cos, sin
+
+    def _rotate(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+        r = self.rotary_dim
+        rot = x[..., :r].astype("float32")
+        if self.style == "neox":
+            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+            out = paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = paddle.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+        out = out.astype(x.dtype)
+        if r == self.head_dim:
+            return out
+        return paddle.concat([out, x[..., r:]], axis=-1)
+
+    def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):
+        """q ``[T, Hq, D]``, k ``[T, Hkv, D]`` → rotated copies (inputs are not modified)."""
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(head_dim: int, max_position: int, base: float, rotary_dim: int | None = None,
+             partial_rotary_factor: float = 1.0, style: str = "neox") -> RotaryEmbedding:
+    """``rotary_dim`` wins when given; otherwise ``int(head_dim * partial_rotary_factor)`` (applied once)."""
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * partial_rotary_factor)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, style)

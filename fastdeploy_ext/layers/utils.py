@@ -1,0 +1,81 @@
+"""Helpers shared by layers: parameter creation and checked weight copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor does not fit the parameter it was routed to (or is missing)."""
+
+
+def create_param(layer: paddle.nn.Layer, shape, dtype="float32", value: float | None = 0.0):
+    """A parameter with a known fill; the loader, not the init, is what makes it valid."""
+    init = paddle.nn.initializer.Constant(value if value is not None else 0.0)
+    param = layer.create_parameter(shape=list(shape), dtype=dtype, default_initializer=init)
+    param.stop_gradient = True
+    return param
+
+
+def as_float32(w) -> np.ndarray:
+    """Materialise a checkpoint tensor (numpy array, lazy safetensors slice, paddle tensor) as fp32."""
+    if isinstance(w, paddle.Tensor):
+        if w.dtype != paddle.float32:
+            w = w.astype("float32")
+        return w.numpy()
+    if hasattr(w, "materialize"):
+        return w.materialize()
+    return np.asarray(w, dtype=np.float32)
+
+
+def shape_of(w) -> tuple:
+    return tuple(int(d) for d in w.shape)
+
+
+def check_shape(param_name: str, got: tuple, want: tuple, ckpt_name: str | None = None):
+    if tuple(got) != tuple(want):
+        src = f" (checkpoint tensor '{ckpt_name}')" if ckpt_name else ""
+        raise WeightLoadError(f"shape mismatch for parameter '{param_name}'{src}: checkpoint {list(got)}, expected {list(want)}")
+
+
+def assign(param: paddle.Tensor, value: np.ndarray, index=None):
+    """Copy ``value`` into ``param`` (or ``param[index]``) in place, keeping the parameter's dtype."""
+    t = paddle.to_tensor(np.ascontiguousarray(value)).astype(param.dtype)
+    with paddle.no_grad():
+        if index is None:
+            param.set_value(t)
+        else:
+            param[index] = t
+
+
+def mark_loaded(param, shard_id=None):
+    """Record which shard of a (possibly fused) parameter has been filled; the loader checks completeness."""
+    if not hasattr(param, "loaded_shards"):
+        param.loaded_shards = set()
+    key = shard_id if shard_id is not None else "__all__"
+    if key in param.loaded_shards:
+        raise WeightLoadError(f"parameter shard loaded twice: {getattr(param, 'param_path', param.name)}[{key}]")
+    param.loaded_shards.add(key)
+
+
+def is_fully_loaded(param) -> bool:
+    shards = getattr(param, "loaded_shards", set())
+    expected = getattr(param, "expected_shards", None)
+    if "__all__" in shards:
+        return True
+    return bool(expected) and set(expected) <= shards
+
+
+def default_weight_loader(param, loaded_weight, shard_id=None):
+    """Whole-tensor copy with a shape check (norms, biases of replicated layers, embeddings at tp=1)."""
+    if shard_id is not None:
+        raise WeightLoadError(f"parameter '{getattr(param, 'param_path', param.name)}' takes no shard id, got {shard_id!r}")
+    check_shape(getattr(param, "param_path", param.name), shape_of(loaded_weight), tuple(param.shape))
+    assign(param, as_float32(loaded_weight))
+    mark_loaded(param)
+
+
+def set_weight_attrs(param, **attrs):
+    for k, v in attrs.items():
+        setattr(param, k, v)

@@ -1,0 +1,262 @@
+"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import paddle
+
+from fastdeploy_ext.config.base import (
+    CacheConfig,
+    ConfigError,
+    FDConfig,
+    LoadConfig,
+    ParallelConfig,
+    QuantConfig,
+    SchedulerConfig,
+    load_hf_config,
+)
+from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
+from fastdeploy_ext.engine.model_runner import ModelRunner
+from fastdeploy_ext.engine.request import Request, RequestStatus
+from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
+from fastdeploy_ext.engine.sampling_params import SamplingParams
+from fastdeploy_ext.engine.scheduler import Scheduler
+from fastdeploy_ext.model_loader import iterate_checkpoint
+from fastdeploy_ext.models.registry import architecture_of, get_model_class
+
+logger = logging.getLogger("fastdeploy_ext")
+
+DEFAULT_MAX_MODEL_LEN = 32768
+# Without num_kv_blocks, the KV pool gets at most this many bytes (CPU RAM is shared with everything else).
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
+                 dtype: str = "auto", quantization: str | None = None, seed: int = 0, device: str = "auto"):
+        from fastdeploy_ext.engine.tokenizer import Tokenizer
+
+        if device not in ("auto", "cpu"):
+            raise ConfigError(f"device {device!r} is not available in this build (Paddle CPU); use 'cpu' or 'auto'")
+        paddle.set_device("cpu")
+        if dtype not in ("auto", "float32"):
+            raise ConfigError(f"dtype {dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
+        if tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported by this engine build yet")
+        if quantization is not None:
+            raise ConfigError(f"quantization {quantization!r} is not supported by this engine build yet")
+
+        hf_config = load_hf_config(model)
+        arch = architecture_of(hf_config)
+        model_cls = get_model_class(arch)
+        model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(model, "config.json"))
+
+        limit = model_config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+            if limit > max_model_len:
+                logger.info("max_model_len defaults to %d (config allows %d; pass max_model_len to raise it)",
+                            max_model_len, limit)
+        elif max_model_len > limit:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds max_position_embeddings {limit} of the model")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
+
+        self.fd_config = FDConfig(
+            model_config=model_config,
+            parallel_config=ParallelConfig(tensor_parallel_size, 0),
+            cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
+            scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
+            quant_config=QuantConfig(method=quantization),
+            load_config=LoadConfig(model_path=model, dtype="float32"),
+        )
+        self.max_model_len = max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer or model)
+        self.generation_config = self._read_generation_config(model)
+
+        with paddle.no_grad():
+            self.model = model_cls(self.fd_config)
+            self.model.eval()
+            self.model.load_weights(iterate_checkpoint(model))
+
+        blocks_per_seq = math.ceil(max_model_len / block_size)
+        if num_kv_blocks is None:
+            per_block = sum(2 * s.num_kv_heads * s.head_dim * 4 * block_size for s in self.model.kv_cache_spec())
+            affordable = DEFAULT_KV_CACHE_BYTES // max(per_block, 1)
+            num_kv_blocks = max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, affordable))
+        self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+        state_slots = StateSlotAllocator(max_num_seqs) if self.runner.state_pool is not None else None
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.scheduler = Scheduler(self.fd_config.scheduler_config, self.block_manager, state_slots)
+        self.vocab_size = model_config.vocab_size
+        self._rng = np.random.default_rng(seed)
+        self._arrivals = 0
+        self._requests: dict[str, Request] = {}
+        eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
+        self.eos_token_ids = sorted(eos)
+
+    @staticmethod
+    def _read_generation_config(model_dir: str) -> dict:
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.exists(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.generation_config)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
+        if not token_ids:
+            raise ValueError(f"{where} is empty")
+        if not all(isinstance(t, (int, np.integer)) for t in token_ids):
+            raise ValueError(f"{where}: token ids must be ints")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"{where} has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (prompt + at least one generated token)"
+            )
+        need = math.ceil(len(token_ids) / self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"{where} needs {need} KV blocks but the pool has {self.block_manager.num_blocks}")
+        if params.prompt_logprobs is not None and len(token_ids) < 1:
+            raise ValueError(f"{where}: prompt_logprobs needs a prompt")
+
+    def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                    multimodal_inputs=None) -> list[Request]:
+        """Queue a prompt; ``n > 1`` creates ``n`` sibling sequences ``<id>_<k>`` whose seeds are
+        ``seed + k`` (so sibling k equals a single-sample run with that seed)."""
+        from fastdeploy_ext.engine.tokenizer import IncrementalDetokenizer
+
+        self.validate_prompt(token_ids, params)
+        created = []
+        for k in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}_{k}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            req = Request(rid, prompt, token_ids, params, sample_index=k, multimodal_inputs=multimodal_inputs,
+                          arrival_index=self._arrivals)
+            self._arrivals += 1
+            seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
+            req.generator = np.random.default_rng(seed)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            self._requests[rid] = req
+            self.scheduler.add_request(req)
+            created.append(req)
+        return created
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.finish_reason = reason
+        req.error_msg = error
+        self.scheduler.finish(req)
+        self._requests.pop(req.request_id, None)
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that advanced or finished in it."""
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting[0]
+                self._finish(req, "error", f"request needs more KV blocks than the pool of {self.block_manager.num_blocks} holds")
+                return [req]
+            return []
+        try:
+            logits = self.runner.execute(out.seqs)
+        except Exception as e:  # a failed forward fails the step's sequences, not the engine
+            logger.exception("model step failed")
+            touched = [s.request for s in out.seqs]
+            for req in touched:
+                self._finish(req, "error", f"model step failed: {type(e).__name__}: {e}")
+            return touched
+
+        touched = []
+        for seq, sample_row, prompt_rows in zip(out.seqs, logits.sample, logits.prompt):
+            req = seq.request
+            touched.append(req)
+            try:
+                if prompt_rows is not None:
+                    self._record_prompt_logprobs(req, seq.start, prompt_rows)
+                req.num_computed_tokens += seq.num_new_tokens
+                if sample_row is not None:
+                    self._append_token(req, sample_row)
+            except Exception as e:
+                logger.exception("request %s failed", req.request_id)
+                self._finish(req, "error", f"{type(e).__name__}: {e}")
+        return touched
+
+    def _record_prompt_logprobs(self, req: Request, start: int, rows: np.ndarray) -> None:
+        k = req.params.prompt_logprobs
+        prompt = req.prompt_token_ids
+        if len(req.prompt_logprobs) != start + 1:
+            return  # a recompute after preemption: these positions are already recorded
+        lps = log_softmax(rows)
+        for i in range(rows.shape[0]):
+            nxt = start + i + 1
+            if nxt < len(prompt):
+                req.prompt_logprobs.append(top_logprobs(lps[i], k, prompt[nxt]))
+
+    def _append_token(self, req: Request, row: np.ndarray) -> None:
+        params = req.params
+        if np.isnan(row).any():
+            raise FloatingPointError("logits contain NaN")
+        banned = list(params.bad_words_token_ids or [])
+        if len(req.output_token_ids) < params.min_tokens:
+            banned += self.eos_token_ids + params.stop_token_ids
+        token = sample_token(row, params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.time()
+        req.output_token_ids.append(token)
+        if params.logprobs is not None:
+            req.output_logprobs.append(top_logprobs(log_softmax(row[None])[0], params.logprobs, token))
+        req.output_text += req.detokenizer.add(token)
+
+        n_out = len(req.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return self._finish(req, "stop")
+            if token in params.stop_token_ids:
+                return self._finish(req, "stop")
+            if params.stop and self._check_stop_strings(req):
+                return self._finish(req, "stop")
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return self._finish(req, "length")
+        if req.num_tokens >= self.max_model_len:
+            return self._finish(req, "length")
+
+    def _check_stop_strings(self, req: Request) -> bool:
+        text = req.output_text
+        # Only the tail can hold a new match: the previous text was already checked.
+        window = max(len(s) for s in req.params.stop) + 16
+        tail_start = max(0, len(text) - window)
+        best = None
+        for s in req.params.stop:
+            pos = text.find(s, tail_start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return False
+        pos, s = best
+        req.output_text = text[: pos + len(s)] if req.params.include_stop_str_in_output else text[:pos]
+        return True

@@ -1,0 +1,127 @@
+"""Offline API with FastDeploy's names: ``LLM(...)``, ``generate``, ``chat``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastdeploy_ext.engine.engine import LLMEngine
+from fastdeploy_ext.engine.request import RequestOutput
+from fastdeploy_ext.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=DIR)`` loads a checkpoint directory (config.json + safetensors + tokenizer.json).
+
+    Engine arguments: ``tokenizer, tensor_parallel_size, max_model_len, max_num_seqs,
+    max_num_batched_tokens, enable_chunked_prefill, block_size, num_kv_blocks`` (overrides the KV pool
+    size), ``dtype, quantization, seed, device``.
+    """
+
+    def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
+                 dtype: str = "auto", quantization: str | None = None, seed: int = 0, device: str = "auto"):
+        self.llm_engine = LLMEngine(
+            model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            dtype=dtype, quantization=quantization, seed=seed, device=device,
+        )
+        self.tokenizer = self.llm_engine.tokenizer
+        self._next_id = 0
+
+    def _normalize(self, prompts) -> list[dict]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [{"prompt_token_ids": prompts}]
+        if not isinstance(prompts, list):
+            raise TypeError(f"prompts must be a str, a list of str, token ids or dicts; got {type(prompts).__name__}")
+        items = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                items.append({"prompt": p})
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                items.append({"prompt_token_ids": p})
+            elif isinstance(p, dict) and ("prompt" in p or "prompt_token_ids" in p):
+                items.append(p)
+            else:
+                raise TypeError(f"prompts[{i}]: expected a str, a list of token ids, or a dict with 'prompt' or "
+                                f"'prompt_token_ids'; got {type(p).__name__}")
+        return items
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order; with ``n > 1`` each prompt yields ``n`` consecutive outputs.
+        Every prompt is validated before any is scheduled (errors name the prompt's index)."""
+        items = self._normalize(prompts)
+        if sampling_params is None:
+            sampling_params = self.llm_engine.default_sampling_params()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        if len(params_list) != len(items):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(items)} prompts")
+
+        prepared = []
+        for i, (item, params) in enumerate(zip(items, params_list)):
+            try:
+                text = item.get("prompt")
+                if "prompt_token_ids" in item:
+                    ids = list(item["prompt_token_ids"])
+                else:
+                    if not isinstance(text, str):
+                        raise TypeError("'prompt' must be a str")
+                    ids = self.tokenizer.encode(text, add_special_tokens=True)
+                mm = item.get("multimodal_data")
+                if mm is not None:
+                    text, ids, mm = self._process_multimodal(text, ids, mm)
+                self.llm_engine.validate_prompt(ids, params)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+            prepared.append((text, ids, params, mm))
+
+        order = []
+        for text, ids, params, mm in prepared:
+            rid = str(self._next_id)
+            self._next_id += 1
+            order.extend(r.request_id for r in self.llm_engine.add_request(rid, text, ids, params, mm))
+        finished = self._run(len(order), use_tqdm)
+        return [finished[rid] for rid in order]
+
+    def _process_multimodal(self, text, ids, mm):
+        processor = getattr(self.llm_engine.model, "multimodal_processor", None)
+        if processor is None:
+            raise ValueError("multimodal_data given but this model takes text only")
+        return processor(self.tokenizer, text, ids, mm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """``messages``: one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
+                                                      chat_template=chat_template, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for req in engine.step():
+                if req.is_finished and req.request_id not in finished:
+                    finished[req.request_id] = req.to_output()
+                    generated += len(req.output_token_ids)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        return finished

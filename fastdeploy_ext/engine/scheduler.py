@@ -1,0 +1,154 @@
+"""Continuous-batching scheduler: a token budget per step shared by decodes, chunked prefills and
+new admissions; preemption by recompute when KV pages run out.
+
+Each step: running sequences first (oldest first), each asking for its remaining uncomputed tokens
+(1 for a decode, the rest of the prompt — or one chunk of it — for a prefill). When pages run out the
+newest running sequence is preempted: its pages and state slot are freed and it goes back to the
+front of the queue to recompute prompt + generated tokens later. Then, if nothing was preempted,
+waiting requests are admitted while seats (``max_num_seqs``), budget, pages and state slots allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fastdeploy_ext.config.base import SchedulerConfig
+from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
+from fastdeploy_ext.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """After this step every known token is computed: the sequence samples its next token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_mixed_steps: int = 0  # steps with both a prefill chunk and a decode
+    num_queued_steps: int = 0  # steps that left requests waiting
+    num_chunked_prefill_steps: int = 0  # steps that ran a partial prompt chunk
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 state_slots: StateSlotAllocator | None = None):
+        self.config = config
+        self.blocks = block_manager
+        self.state_slots = state_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def free_request(self, request: Request) -> None:
+        """Release pages and state slot (finish, abort, preemption)."""
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        if request.state_slot is not None and self.state_slots is not None:
+            self.state_slots.free(request.state_slot)
+        request.state_slot = None
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.free_request(request)
+        request.status = RequestStatus.FINISHED
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.free_request(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        self.stats.num_preemptions += 1
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        need = self.blocks.blocks_needed(len(request.block_ids), request.num_computed_tokens + num_new)
+        if need > self.blocks.num_free:
+            return False
+        request.block_ids.extend(self.blocks.allocate(need))
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+
+        for request in list(self.running):
+            if request not in self.running or budget == 0:
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    continue
+                num_new = budget
+            while not self._reserve(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                out.seqs.append(ScheduledSeq(request, num_new))
+                budget -= num_new
+
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            if self.state_slots is not None and self.state_slots.num_free == 0:
+                break
+            if not self._reserve(request, num_new):
+                break
+            self.waiting.popleft()
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.allocate()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.seqs.append(ScheduledSeq(request, num_new))
+            budget -= num_new
+
+        self.stats.num_steps += 1
+        in_prefill = [s.request.num_computed_tokens < len(s.request.prompt_token_ids) for s in out.seqs]
+        if any(in_prefill) and not all(in_prefill):
+            self.stats.num_mixed_steps += 1
+        if any(not s.completes for s in out.seqs):
+            self.stats.num_chunked_prefill_steps += 1
+        if self.waiting:
+            self.stats.num_queued_steps += 1
+        return out

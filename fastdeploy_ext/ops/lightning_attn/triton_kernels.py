@@ -1,0 +1,582 @@
+"""Triton kernels for lightning attention: varlen prefill with carried state, and slot-based decode.
+
+Same contract as ``reference.py`` (see that module and README.md for the math). The ``@triton.jit``
+bodies take pointers, strides folded into contiguous layouts, and constexpr flags only; the Python
+wrappers accept torch tensors directly and Paddle tensors through ``launcher.PaddleOps``. This module
+imports neither torch nor Paddle at import time.
+
+Prefill runs in up to three launches so that few long sequences still fill the GPU:
+
+1. ``_segment_state_kernel`` (only if some sequence is split into several segments): for every segment
+   but the last of its sequence, the segment-local state ``U = sum_j lam^(L-1-j) k_j^T v_j``.
+2. ``_segment_scan_kernel``: per sequence, ``S_prev[first] = pool[slot]``,
+   ``S_prev[s+1] = lam^(L_s) S_prev[s] + U_s``, an element-wise scan over a handful of segments.
+3. ``_segment_output_kernel``: per (segment, head, value tile), walk the segment chunk by chunk
+   (``block_size`` tokens): ``o = ((Q K^T) * M) V + lam^(i+1) Q S``, ``S <- lam^m S + (lam^(m-1-j) K)^T V``;
+   the last segment of a sequence writes the final state into the pool.
+When every sequence fits one segment only launch 3 runs, reading and writing the pool directly.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from fastdeploy_ext.ops.lightning_attn import launcher
+
+__all__ = ["lightning_attn_prefill", "lightning_attn_decode", "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+_BLOCK_SIZES = (16, 32, 64, 128)
+_PRECISIONS = ("tf32", "ieee")
+_DTYPES = ("float32", "bfloat16")
+_SEG_COLS = 5  # start, end, slot, flags, state-buffer index
+_FLAG_LAST = 1
+_FLAG_READ_POOL = 2
+_MAX_GRID_YZ = 65535
+# Programs per SM the prefill segmentation aims for (see _segment_len).
+_PROGRAMS_PER_SM = 1
+
+
+@triton.jit
+def _load_chunk(base_ptr, tok, cols, i_h, H, D: tl.constexpr, valid):
+    # [BT, len(cols)] rows of a contiguous [T, H, D] tensor; int64 token offsets.
+    offs = (tok[:, None] * H + i_h) * D + cols[None, :]
+    return tl.load(base_ptr + offs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _segment_state_kernel(
+    k_ptr,
+    v_ptr,
+    slopes_ptr,
+    buf_ptr,  # [n_buf, H, D, D] fp32
+    jobs_ptr,  # [n_jobs, 3] int32: token start, token end, destination buffer index
+    H,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_j = tl.program_id(2)
+    start = tl.load(jobs_ptr + i_j * 3)
+    end = tl.load(jobs_ptr + i_j * 3 + 1)
+    dest = tl.load(jobs_ptr + i_j * 3 + 2).to(tl.int64)
+    neg_s = -tl.load(slopes_ptr + i_h)
+    rows = tl.arange(0, BT)
+    cols_d = tl.arange(0, D)
+    cols_v = i_v * BV + tl.arange(0, BV)
+
+    u = tl.zeros([D, BV], dtype=tl.float32)
+    for t0 in range(start, end, BT):
+        m = tl.minimum(end - t0, BT)
+        tok = (t0 + rows).to(tl.int64)
+        valid = rows < m
+        k = _load_chunk(k_ptr, tok, cols_d, i_h, H, D, valid).to(tl.float32)
+        v = _load_chunk(v_ptr, tok, cols_v, i_h, H, D, valid)
+        # Masked rows would get lam^(negative); select 0 there instead of multiplying.
+        k_decay = tl.where(valid, tl.exp(neg_s * (m - 1 - rows).to(tl.float32)), 0.0)
+        kd = k * k_decay[:, None]
+        if DOT_BF16:
+            kv = tl.dot(tl.trans(kd.to(tl.bfloat16)), v.to(tl.bfloat16))
+        else:
+            kv = tl.dot(tl.trans(kd), v.to(tl.float32), input_precision=PRECISION)
+        u = u * tl.exp(neg_s * m.to(tl.float32)) + kv
+    offs = ((dest * H + i_h) * D + cols_d[:, None]) * D + cols_v[None, :]
+    tl.store(buf_ptr + offs, u)
+
+
+@triton.jit
+def _segment_scan_kernel(
+    pool_ptr,  # [num_slots, H, D, D] fp32
+    buf_ptr,  # [n_buf, H, D, D] fp32: U of segment s-1 at entry s on input, S_prev of segment s on output
+    seg_ptr,  # [n_segs, 5] int32
+    scan_ptr,  # [n_scan, 2] int32: first segment, number of segments (>= 2)
+    slopes_ptr,
+    H,
+    D: tl.constexpr,
+    BR: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    first = tl.load(scan_ptr + i_b * 2)
+    count = tl.load(scan_ptr + i_b * 2 + 1)
+    slot = tl.load(seg_ptr + first * 5 + 2).to(tl.int64)
+    buf0 = tl.load(seg_ptr + first * 5 + 4).to(tl.int64)
+    neg_s = -tl.load(slopes_ptr + i_h)
+    rows = i_r * BR + tl.arange(0, BR)
+    tile = rows[:, None] * D + tl.arange(0, D)[None, :]
+
+    state = tl.load(pool_ptr + (slot * H + i_h) * D * D + tile)
+    tl.store(buf_ptr + (buf0 * H + i_h) * D * D + tile, state)
+    for i in range(1, count):
+        seg_len = tl.load(seg_ptr + (first + i - 1) * 5 + 1) - tl.load(seg_ptr + (first + i - 1) * 5)
+        offs = ((buf0 + i) * H + i_h) * D * D + tile
+        state = state * tl.exp(neg_s * seg_len.to(tl.float32)) + tl.load(buf_ptr + offs)
+        tl.store(buf_ptr + offs, state)
+
+
+@triton.jit
+def _segment_output_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    slopes_ptr,
+    pool_ptr,
+    buf_ptr,
+    seg_ptr,  # [n_segs, 5] int32
+    H,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
+    start = tl.load(seg_ptr + i_s * 5)
+    end = tl.load(seg_ptr + i_s * 5 + 1)
+    slot = tl.load(seg_ptr + i_s * 5 + 2).to(tl.int64)
+    flags = tl.load(seg_ptr + i_s * 5 + 3)
+    buf = tl.load(seg_ptr + i_s * 5 + 4).to(tl.int64)
+    neg_s = -tl.load(slopes_ptr + i_h)
+    rows = tl.arange(0, BT)
+    cols_d = tl.arange(0, D)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    tile = cols_d[:, None] * D + cols_v[None, :]
+    pool_offs = (slot * H + i_h) * D * D + tile
+
+    if (flags & 2) != 0:
+        state = tl.load(pool_ptr + pool_offs)
+    else:
+        state = tl.load(buf_ptr + (buf * H + i_h) * D * D + tile)
+
+    diff = (rows[:, None] - rows[None, :]).to(tl.float32)
+    intra_decay = tl.where(rows[:, None] >= rows[None, :], tl.exp(neg_s * diff), 0.0)
+    q_decay = tl.exp(neg_s * (rows + 1).to(tl.float32))
+
+    for t0 in range(start, end, BT):
+        m = tl.minimum(end - t0, BT)
+        tok = (t0 + rows).to(tl.int64)
+        valid = rows < m
+        q = _load_chunk(q_ptr, tok, cols_d, i_h, H, D, valid)
+        k = _load_chunk(k_ptr, tok, cols_d, i_h, H, D, valid)
+        v = _load_chunk(v_ptr, tok, cols_v, i_h, H, D, valid)
+        k_decay = tl.where(valid, tl.exp(neg_s * (m - 1 - rows).to(tl.float32)), 0.0)
+        kd = k.to(tl.float32) * k_decay[:, None]
+        if DOT_BF16:
+            q16 = q.to(tl.bfloat16)
+            v16 = v.to(tl.bfloat16)
+            scores = tl.dot(q16, tl.trans(k.to(tl.bfloat16))) * intra_decay
+            o = tl.dot(scores.to(tl.bfloat16), v16)
+            o += q_decay[:, None] * tl.dot(q16, state.to(tl.bfloat16))
+            kv = tl.dot(tl.trans(kd.to(tl.bfloat16)), v16)
+        else:
+            q = q.to(tl.float32)
+            v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * intra_decay
+            o = tl.dot(scores, v, input_precision=PRECISION)
+            o += q_decay[:, None] * tl.dot(q, state, input_precision=PRECISION)
+            kv = tl.dot(tl.trans(kd), v, input_precision=PRECISION)
+        state = state * tl.exp(neg_s * m.to(tl.float32)) + kv
+        o_offs = (tok[:, None] * H + i_h) * D + cols_v[None, :]
+        tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+    if (flags & 1) != 0:
+        tl.store(pool_ptr + pool_offs, state)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [B, H, D]
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    slopes_ptr,
+    pool_ptr,  # [num_slots, H, D, D] fp32
+    slot_ptr,  # [B] int32
+    num_slots,
+    H,
+    D: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    rows = tl.arange(0, D)
+    cols = i_v * BV + tl.arange(0, BV)
+    row_base = (i_b.to(tl.int64) * H + i_h) * D
+    # Out-of-range ids are treated like the -1 padding id so that a bad id can never touch memory
+    # (the wrapper rejects them when check_slots=True).
+    if (slot >= 0) & (slot < num_slots):
+        lam = tl.exp(-tl.load(slopes_ptr + i_h))
+        q = tl.load(q_ptr + row_base + rows).to(tl.float32)
+        k = tl.load(k_ptr + row_base + rows).to(tl.float32)
+        v = tl.load(v_ptr + row_base + cols).to(tl.float32)
+        offs = (slot * H + i_h) * D * D + rows[:, None] * D + cols[None, :]
+        state = tl.load(pool_ptr + offs) * lam + k[:, None] * v[None, :]
+        tl.store(pool_ptr + offs, state)
+        o = tl.sum(q[:, None] * state, axis=0)
+        tl.store(o_ptr + row_base + cols, o.to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(o_ptr + row_base + cols, tl.zeros([BV], dtype=o_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile and launch parameters; the defaults come from ``_default_*_config`` (tuned on an H200)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def _default_prefill_config(head_dim, dtype_name):
+    return LaunchConfig(block_v=min(head_dim, 64), num_warps=8 if head_dim >= 128 else 4, num_stages=2)
+
+
+def _default_decode_config(head_dim):
+    return LaunchConfig(block_v=min(head_dim, 32), num_warps=4)
+
+
+def lightning_attn_prefill(
+    q,
+    k,
+    v,
+    slopes,
+    cu_seqlens,
+    state_pool,
+    slot_ids,
+    *,
+    block_size=64,
+    precision="tf32",
+    segment_len=None,
+    out=None,
+    launch_config=None,
+):
+    """Varlen prefill with carried per-sequence state (semantics of ``reference.lightning_attn_prefill``).
+
+    Args:
+        q, k, v: ``[total_tokens, H, D]`` float32 or bfloat16 (all the same), contiguous,
+            D in ``SUPPORTED_HEAD_DIMS``.
+        slopes: ``[H]`` float32.
+        cu_seqlens: ``[B + 1]`` int32 (copied to the host once, to plan the launch).
+        state_pool: ``[num_slots, H, D, D]`` float32, read as initial states and overwritten in place
+            with the final states of sequences ``slot_ids``.
+        slot_ids: ``[B]`` int32, distinct, in ``[0, num_slots)``.
+        block_size: tokens per chunk inside a kernel (16, 32, 64 or 128).
+        precision: ``"tf32"`` (default) runs the matrix products on tensor cores: TF32 operands for
+            float32 inputs, bfloat16 operands for bfloat16 inputs; accumulation and state stay float32
+            (about 1e-3 relative error). ``"ieee"`` computes every product in float32.
+        segment_len: tokens per independently processed segment of a sequence (a multiple of
+            ``block_size``); ``None`` picks it so that the launch fills the device.
+        out: optional ``[total_tokens, H, D]`` float32 or bfloat16 output buffer; by default a new
+            tensor with q's dtype.
+        launch_config: optional ``LaunchConfig`` overriding the tuned tile sizes (benchmarks).
+
+    Returns:
+        ``out``, ``[total_tokens, H, D]``.
+    """
+    ops = _ops_for(q)
+    total, num_heads, head_dim = _check_qkv(ops, q, k, v)
+    _check_vector(ops, slopes, "slopes", "float32", num_heads, q)
+    num_slots = _check_pool(ops, state_pool, num_heads, head_dim, q)
+    _check_vector(ops, cu_seqlens, "cu_seqlens", "int32", None, q)
+    _check_vector(ops, slot_ids, "slot_ids", "int32", None, q)
+    if block_size not in _BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {_BLOCK_SIZES}, got {block_size!r}")
+    _check_precision(precision)
+    out = _check_or_make_out(ops, out, q, (total, num_heads, head_dim))
+    cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q))
+    _check_block_v(cfg, head_dim)
+
+    cu = ops.to_host(cu_seqlens).astype(np.int64)
+    slots = ops.to_host(slot_ids).astype(np.int64)
+    if cu.shape[0] < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at total_tokens={total}, got {cu.tolist()}"
+        )
+    if slots.shape[0] != cu.shape[0] - 1:
+        raise ValueError(f"slot_ids has {slots.shape[0]} entries but cu_seqlens describes {cu.shape[0] - 1} sequences")
+    if np.any(slots < 0) or np.any(slots >= num_slots):
+        raise ValueError(f"slot_ids must lie in [0, {num_slots}) for prefill, got {slots.tolist()}")
+    if np.unique(slots).shape[0] != slots.shape[0]:
+        raise ValueError(f"slot_ids must be distinct within one prefill batch, got {slots.tolist()}")
+    if total >= 2**31:
+        raise ValueError(f"total_tokens={total} does not fit the int32 segment table")
+
+    n_v = head_dim // cfg.block_v
+    seg_len = _segment_len(ops, q, cu, block_size, num_heads * n_v) if segment_len is None else segment_len
+    if seg_len % block_size != 0 or seg_len <= 0:
+        raise ValueError(f"segment_len must be a positive multiple of block_size={block_size}, got {seg_len!r}")
+    seg, jobs, scans, n_buf = _plan_segments(cu, slots, seg_len, block_size)
+    if seg.shape[0] == 0:
+        return out
+    if seg.shape[0] > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
+        raise ValueError(f"{seg.shape[0]} segments x {num_heads} heads exceed the launch grid; raise segment_len")
+
+    dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
+    seg_t = ops.from_host(seg, q)
+    buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
+    if jobs.shape[0]:
+        ops.launch(
+            _segment_state_kernel,
+            (n_v, num_heads, jobs.shape[0]),
+            [k, v, slopes, buf, ops.from_host(jobs, q), num_heads],
+            D=head_dim,
+            BT=block_size,
+            BV=cfg.block_v,
+            DOT_BF16=dot_bf16,
+            PRECISION=precision,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        scan_rows = min(head_dim, 32)
+        ops.launch(
+            _segment_scan_kernel,
+            (head_dim // scan_rows, num_heads, scans.shape[0]),
+            [state_pool, buf, seg_t, ops.from_host(scans, q), slopes, num_heads],
+            D=head_dim,
+            BR=scan_rows,
+            num_warps=4,
+        )
+    ops.launch(
+        _segment_output_kernel,
+        (n_v, num_heads, seg.shape[0]),
+        [q, k, v, out, slopes, state_pool, buf, seg_t, num_heads],
+        D=head_dim,
+        BT=block_size,
+        BV=cfg.block_v,
+        DOT_BF16=dot_bf16,
+        PRECISION=precision,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids, *, check_slots=True, out=None, launch_config=None):
+    """One decode step (semantics of ``reference.lightning_attn_decode``).
+
+    Args:
+        q, k, v: ``[B, H, D]`` float32 or bfloat16, contiguous.
+        slopes: ``[H]`` float32.
+        state_pool: ``[num_slots, H, D, D]`` float32, updated in place.
+        slot_ids: ``[B]`` int32; -1 marks a padding row (output 0, pool untouched).
+        check_slots: copy ``slot_ids`` to the host and reject ids outside ``[-1, num_slots)`` and repeated
+            ids. Pass False inside CUDA-graph capture (no host sync allowed); the kernel then still treats
+            every out-of-range id as padding.
+        out: optional ``[B, H, D]`` output buffer (float32 or bfloat16); default: new, q's dtype.
+        launch_config: optional ``LaunchConfig`` override (benchmarks).
+
+    Returns:
+        ``out``, ``[B, H, D]``.
+    """
+    ops = _ops_for(q)
+    batch, num_heads, head_dim = _check_qkv(ops, q, k, v)
+    _check_vector(ops, slopes, "slopes", "float32", num_heads, q)
+    num_slots = _check_pool(ops, state_pool, num_heads, head_dim, q)
+    _check_vector(ops, slot_ids, "slot_ids", "int32", batch, q)
+    out = _check_or_make_out(ops, out, q, (batch, num_heads, head_dim))
+    cfg = launch_config or _default_decode_config(head_dim)
+    _check_block_v(cfg, head_dim)
+    if check_slots:
+        if ops.is_capturing(q):
+            raise ValueError("check_slots=True copies slot_ids to the host; pass check_slots=False under graph capture")
+        slots = ops.to_host(slot_ids).astype(np.int64)
+        if np.any(slots < -1) or np.any(slots >= num_slots):
+            raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1, got {slots.tolist()}")
+        live = slots[slots >= 0]
+        if np.unique(live).shape[0] != live.shape[0]:
+            raise ValueError(f"non-padding slot_ids must be distinct, got {slots.tolist()}")
+    if batch == 0:
+        return out
+    if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
+        raise ValueError(f"batch {batch} x heads {num_heads} exceed the launch grid")
+    ops.launch(
+        _decode_kernel,
+        (head_dim // cfg.block_v, num_heads, batch),
+        [q, k, v, out, slopes, state_pool, slot_ids, num_slots, num_heads],
+        D=head_dim,
+        BV=cfg.block_v,
+        num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def _plan_segments(cu, slots, seg_len, block_size):
+    """Split sequences into segments of at most ``seg_len`` tokens (balanced within a sequence).
+
+    Returns the segment table ``[n_segs, 5]`` (start, end, slot, flags, buffer index), the state jobs
+    ``[n_jobs, 3]`` (start, end, destination buffer) for every segment that has a successor, the scan
+    table ``[n_scan, 2]`` (first segment, count) of split sequences, and the number of buffer entries.
+    """
+    seg_rows, job_rows, scan_rows = [], [], []
+    n_buf = 0
+    for b in range(cu.shape[0] - 1):
+        start, end = int(cu[b]), int(cu[b + 1])
+        length = end - start
+        if length == 0:
+            continue
+        count = -(-length // seg_len)
+        if count == 1:
+            seg_rows.append((start, end, slots[b], _FLAG_LAST | _FLAG_READ_POOL, -1))
+            continue
+        per = -(-(-(-length // count)) // block_size) * block_size
+        bounds = list(range(start, end, per)) + [end]
+        scan_rows.append((len(seg_rows), len(bounds) - 1))
+        for i in range(len(bounds) - 1):
+            last = i == len(bounds) - 2
+            seg_rows.append((bounds[i], bounds[i + 1], slots[b], _FLAG_LAST if last else 0, n_buf + i))
+            if not last:
+                job_rows.append((bounds[i], bounds[i + 1], n_buf + i + 1))
+        n_buf += len(bounds) - 1
+    as_table = lambda rows, cols: np.asarray(rows, dtype=np.int32).reshape(-1, cols)  # noqa: E731
+    return as_table(seg_rows, _SEG_COLS), as_table(job_rows, 3), as_table(scan_rows, 2), n_buf
+
+
+def _segment_len(ops, like, cu, block_size, programs_per_segment):
+    """Segment length that gives about ``_PROGRAMS_PER_SM`` programs per SM, never below 16 chunks."""
+    lengths = np.diff(cu)
+    lengths = lengths[lengths > 0]
+    if lengths.shape[0] == 0:
+        return block_size
+    num_sms = ops.num_sms(like) or 4
+    target_programs = _PROGRAMS_PER_SM * num_sms
+    if lengths.shape[0] * programs_per_segment >= target_programs:
+        return int(-(-lengths.max() // block_size) * block_size)
+    tokens_per_program = lengths.sum() * programs_per_segment / target_programs
+    seg = max(16 * block_size, int(-(-tokens_per_program // block_size) * block_size))
+    return int(seg)
+
+
+
+def _ops_for(q):
+    if launcher.is_paddle_tensor(q):
+        return launcher.PaddleOps()
+    if type(q).__module__.startswith("torch"):
+        return _TorchOps()
+    raise ValueError(f"q must be a torch.Tensor or paddle.Tensor, got {type(q).__name__}")
+
+
+class _TorchOps:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def owns(self, t):
+        return isinstance(t, self.torch.Tensor)
+
+    def is_cuda(self, t):
+        return t.device.type == "cuda"
+
+    def is_cpu(self, t):
+        return t.device.type == "cpu"
+
+    def device_key(self, t):
+        return str(t.device)
+
+    def to_host(self, t):
+        return t.detach().cpu().numpy()
+
+    def from_host(self, array, like):
+        return self.torch.from_numpy(np.ascontiguousarray(array)).to(like.device)
+
+    def empty(self, shape, dtype_name, like):
+        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
+
+    def num_sms(self, t):
+        if not self.is_cuda(t):
+            return None
+        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
+
+    def is_capturing(self, t):
+        return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()
+
+    def launch(self, kernel, grid, args, **meta):
+        if launcher.interpreter_enabled():
+            launcher.patch_interpreter_scalar_index()
+        kernel[grid](*args, **meta)
+
+
+def _dtype_name(t):
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _check_tensor(ops, t, name, like):
+    if not ops.owns(t):
+        raise ValueError(f"{name} must be a {ops.name} tensor like q, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if ops.device_key(t) != ops.device_key(like):
+        raise ValueError(f"{name} is on {ops.device_key(t)} but q is on {ops.device_key(like)}")
+
+
+def _check_qkv(ops, q, k, v):
+    if not ops.is_cuda(q) and not (ops.is_cpu(q) and launcher.interpreter_enabled()):
+        raise ValueError(
+            f"q is on {ops.device_key(q)}: the kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_tensor(ops, t, name, q)
+        if len(t.shape) != 3:
+            raise ValueError(f"{name} must be [tokens, H, D], got shape {list(t.shape)}")
+        if _dtype_name(t) not in _DTYPES:
+            raise ValueError(f"{name} must be float32 or bfloat16, got {_dtype_name(t)}")
+    if not (tuple(q.shape) == tuple(k.shape) == tuple(v.shape)):
+        raise ValueError(f"q, k, v shapes differ: {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if not (_dtype_name(q) == _dtype_name(k) == _dtype_name(v)):
+        raise ValueError(f"q, k, v dtypes differ: {_dtype_name(q)}, {_dtype_name(k)}, {_dtype_name(v)}")
+    head_dim = q.shape[2]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D={head_dim} is not supported; use one of {SUPPORTED_HEAD_DIMS}")
+    return tuple(int(x) for x in q.shape)
+
+
+def _check_vector(ops, t, name, dtype_name, length, like):
+    _check_tensor(ops, t, name, like)
+    if len(t.shape) != 1 or _dtype_name(t) != dtype_name or (length is not None and t.shape[0] != length):
+        want = f"[{length}]" if length is not None else "1-D"
+        raise ValueError(f"{name} must be {want} {dtype_name}, got {_dtype_name(t)} shape {list(t.shape)}")
+
+
+def _check_pool(ops, pool, num_heads, head_dim, like):
+    _check_tensor(ops, pool, "state_pool", like)
+    want = [num_heads, head_dim, head_dim]
+    if len(pool.shape) != 4 or list(pool.shape[1:]) != want or _dtype_name(pool) != "float32":
+        raise ValueError(
+            f"state_pool must be float32 [num_slots, {num_heads}, {head_dim}, {head_dim}], "
+            f"got {_dtype_name(pool)} shape {list(pool.shape)}"
+        )
+    return int(pool.shape[0])
+
+
+def _check_or_make_out(ops, out, like, shape):
+    if out is None:
+        return ops.empty(shape, _dtype_name(like), like)
+    _check_tensor(ops, out, "out", like)
+    if tuple(out.shape) != shape or _dtype_name(out) not in _DTYPES:
+        raise ValueError(f"out must be float32 or bfloat16 {list(shape)}, got {_dtype_name(out)} {list(out.shape)}")
+    return out
+
+
+def _check_precision(precision):
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+
+
+def _check_block_v(cfg, head_dim):
+    if cfg.block_v > head_dim or head_dim % cfg.block_v != 0 or cfg.block_v < 16:
+        raise ValueError(f"launch_config.block_v={cfg.block_v} must divide D={head_dim} and be >= 16")
+

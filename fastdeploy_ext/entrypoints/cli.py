@@ -1,0 +1,99 @@
+"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _cmd_make_tiny(args) -> int:
+    from fastdeploy_ext.tiny import write_tiny
+
+    extra = {}
+    if args.dtype:
+        extra["dtype"] = args.dtype
+    if args.shards != 1:
+        extra["shards"] = args.shards
+    write_tiny(args.arch, args.out, seed=args.seed, **extra)
+    print(f"wrote tiny {args.arch} checkpoint to {args.out}")
+    return 0
+
+
+def _print_outputs(outputs) -> None:
+    for out in outputs:
+        print(f"--- request {out.request_id} ({len(out.prompt_token_ids)} prompt tokens, "
+              f"finish_reason={out.outputs.finish_reason})")
+        print(f"prompt:     {out.prompt!r}")
+        print(f"completion: {out.outputs.text!r}")
+
+
+def _cmd_generate(args) -> int:
+    from fastdeploy_ext import LLM, SamplingParams
+
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    _print_outputs(llm.generate(args.prompt, params, use_tqdm=not args.no_tqdm))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from fastdeploy_ext import LLM, SamplingParams
+    from fastdeploy_ext.tiny import write_tiny
+
+    out_dir = args.out
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        write_tiny("Qwen2ForCausalLM", out_dir, seed=0)
+        print(f"wrote a tiny random Qwen2 checkpoint to {out_dir}")
+    llm = LLM(model=out_dir, max_model_len=1024, max_num_seqs=8)
+    prompts = ["hello world", "the music of the day", "你好 世界", "write a number: 42"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    _print_outputs(outputs)
+    chat = llm.chat([{"role": "user", "content": "please answer the question"}],
+                    SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=24))
+    _print_outputs(chat)
+    print("(random weights: the text is gibberish by construction; the engine path is what runs)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fastdeploy-ext", description=__doc__.split(":")[0] + ": MiniMax-M1 and "
+                                "MiDashengLM on a FastDeploy-style Paddle engine.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="write a tiny random checkpoint (offline) and generate with it")
+    d.add_argument("--out", default=os.path.join(os.getcwd(), "tiny_models", "qwen2"),
+                   help="where the tiny checkpoint lives (default: ./tiny_models/qwen2)")
+    d.set_defaults(func=_cmd_demo)
+
+    from fastdeploy_ext.tiny import tiny_architectures
+
+    m = sub.add_parser("make-tiny", help="write a tiny random checkpoint (config.json + safetensors + tokenizer)")
+    m.add_argument("--arch", required=True, choices=tiny_architectures(), help="architectures[0] of the checkpoint")
+    m.add_argument("--out", required=True, help="output directory")
+    m.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="on-disk dtype (default float32)")
+    m.add_argument("--shards", type=int, default=1, help="number of safetensors shards (>1 writes an index)")
+    m.set_defaults(func=_cmd_make_tiny)
+
+    g = sub.add_parser("generate", help="generate from a checkpoint directory")
+    g.add_argument("--model", required=True, help="checkpoint directory")
+    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
+    g.set_defaults(func=_cmd_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

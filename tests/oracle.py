@@ -1,0 +1,56 @@
+"""Teacher-forced comparisons against an HF transformers model (the oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+NEAR_TIE = 1e-4
+
+
+def hf_logprobs(hf_model, token_ids, **forward_kwargs) -> np.ndarray:
+    """Full forward over ``token_ids``; fp32 log-softmax ``[L, V]`` (row i predicts token i+1)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        logits = hf_model(input_ids=ids, **forward_kwargs).logits[0].float()
+        return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def check_greedy_against_oracle(generate_fn, oracle_fn, prompt_ids, max_tokens, atol=1e-4):
+    """Greedy continuation vs a teacher-forced oracle.
+
+    ``generate_fn(ids, n)`` → (tokens, logprob dicts) from the engine; ``oracle_fn(ids)`` → log-softmax
+    rows. Tokens must match until a genuine near-tie (oracle top-2 gap < 1e-4); there the oracle's
+    token is fed back and comparison continues. Every reported logprob must be within ``atol``.
+    Returns (number of compared tokens, number of near-ties, max |logprob diff|).
+    """
+    prefix = list(prompt_ids)
+    produced, ties, worst = 0, 0, 0.0
+    while produced < max_tokens:
+        tokens, lps = generate_fn(prefix, max_tokens - produced)
+        ref = oracle_fn(prefix + tokens)
+        base = len(prefix) - 1
+        diverged = False
+        for i, (tok, lp) in enumerate(zip(tokens, lps)):
+            row = ref[base + i]
+            for t, v in lp.items():
+                worst = max(worst, abs(v - float(row[t])))
+                assert abs(v - float(row[t])) <= atol, f"logprob of token {t} at step {produced + i}: {v} vs oracle {row[t]}"
+            top2 = np.sort(row)[-2:]
+            oracle_tok = int(np.argmax(row))
+            if tok != oracle_tok:
+                assert top2[1] - top2[0] < NEAR_TIE, (
+                    f"greedy token {tok} != oracle {oracle_tok} at step {produced + i} (gap {top2[1] - top2[0]:.3g})"
+                )
+                ties += 1
+                prefix = prefix + tokens[:i] + [oracle_tok]
+                produced += i + 1
+                diverged = True
+                break
+        if not diverged:
+            produced += len(tokens)
+            if len(tokens) == 0:
+                break
+            prefix = prefix + tokens
+    return produced, ties, worst

@@ -257,3 +257,72 @@ def test_encoder_input_errors():
         encoder(paddle.zeros([1, 64, 3]))
     with pytest.raises(ValueError, match=r"num_samples must have shape \[1\]"):
         encoder(paddle.zeros([1, 64, 100]), [16000, 16000])
+
+
+TP_WORKER = r"""
+import json, sys
+import numpy as np, paddle, paddle.distributed as dist
+from fastdeploy_ext.config.base import FDConfig, ParallelConfig
+from fastdeploy_ext.config.midashenglm import DashengConfig
+from fastdeploy_ext.layers.audio.dasheng import DashengAudioEncoder
+
+dist.init_parallel_env()
+rank = dist.get_rank()
+data = np.load(sys.argv[1])
+fd_config = FDConfig(model_config=None, parallel_config=ParallelConfig(2, rank, dist.new_group([0, 1])))
+encoder = DashengAudioEncoder(fd_config, "audio_encoder", DashengConfig.from_hf_config(json.loads(sys.argv[2])))
+assert encoder.blocks[0].attn.qkv.weight.shape == [64, 96], "each rank holds 2 of 4 heads of q, k and v"
+for name, param in encoder.named_parameters():
+    param.weight_loader(param, data["w:" + name])
+hidden, _ = encoder(paddle.to_tensor(data["features"]), data["num_samples"])
+np.save(f"{sys.argv[3]}.{rank}.npy", hidden.numpy())
+"""
+
+
+def free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_tensor_parallel_2_matches_tp1(dasheng_pretrained, tmp_path):
+    """TP = 2 over gloo: qkv split per q/k/v section by heads, proj/fc2 row-parallel; equals TP = 1."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    encoder, reference = build_pair(dasheng_pretrained, 21)
+    lengths = [int(1.1 * SR), 3 * SR]
+    padded = np.zeros([2, max(lengths)], np.float32)
+    for b, n in enumerate(lengths):
+        padded[b, :n] = waveform(n, b)
+    features = log_mel_spectrogram(padded, lengths)
+    want, _ = encoder(features, lengths)
+    weights = {"w:" + checkpoint_name_to_param(k): v.numpy() for k, v in reference.state_dict().items()
+               if checkpoint_name_to_param(k) is not None}
+    np.savez(tmp_path / "data.npz", features=features.numpy(), num_samples=np.array(lengths), **weights)
+    script = tmp_path / "worker.py"
+    script.write_text(TP_WORKER)
+    ports = free_ports(2)
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM="2", PADDLE_TRAINER_ENDPOINTS=endpoints,
+                   PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank]}", PADDLE_DISTRI_BACKEND="gloo")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "data.npz"), json.dumps(TINY), str(tmp_path / "out")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    for rank, proc in enumerate(procs):
+        log, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"rank {rank} failed:\n{log[-3000:]}"
+    for rank in range(2):
+        got = np.load(tmp_path / f"out.{rank}.npy")
+        assert rel_err(got, want.numpy()) <= REL_TOL

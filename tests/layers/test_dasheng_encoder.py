@@ -18,7 +18,8 @@ import paddle
 import pytest
 import torch
 
-from fastdeploy_ext.config.midashenglm import DashengConfig
+from fastdeploy_ext.config.base import ConfigError
+from fastdeploy_ext.config.midashenglm import DashengConfig, MiDashengLMConfig
 from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAttention, DashengAudioEncoder
 from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
 from fastdeploy_ext.layers.utils import WeightLoadError
@@ -259,11 +260,54 @@ def test_encoder_input_errors():
         encoder(paddle.zeros([1, 64, 100]), [16000, 16000])
 
 
+def hf_config(**encoder_overrides):
+    encoder = {**TINY, "n_mels": 64, "hop_length": 160, "init_values": None, "outputdim": 527, **encoder_overrides}
+    return {"architectures": ["MiDashengLMModel"], "audio_encoder_config": encoder, "subsample_factor": 5,
+            "audio_token_id": 255, "text_config": {"hidden_size": 96, "vocab_size": 256}}
+
+
+def test_config_from_hf():
+    config = MiDashengLMConfig.from_hf_config(hf_config())
+    enc = config.audio_encoder_config
+    assert (enc.head_dim, enc.mlp_hidden_dim, enc.chunk_patches, enc.samples_per_patch) == (16, 256, 16, 640)
+    assert (config.projector_input_dim, config.text_hidden_size, config.audio_token_id) == (320, 96, 255)
+    assert config.text_config == {"hidden_size": 96, "vocab_size": 256}
+    assert config.check_audio_token_id(255) == 255
+    with pytest.raises(ConfigError, match="audio_token_id 255 != tokenizer"):
+        config.check_audio_token_id(254)
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({**hf_config(), "architectures": ["DashengQwen25OmniModelInstruct"]}, "miaudiollm"),
+        ({k: v for k, v in hf_config().items() if k != "text_config"}, "'text_config' is missing"),
+        ({**hf_config(), "text_config": {"vocab_size": 256}}, "text_config: required key 'hidden_size'"),
+        ({**hf_config(), "audio_token_id": 300}, "outside text_config.vocab_size"),
+        (hf_config(num_heads=5), "embed_dim / num_heads: 64 is not divisible by 5"),
+        (hf_config(patch_size=[32, 4], patch_stride=[32, 4]), r"patch_size \[32, 4\] must span all n_mels=64"),
+        (hf_config(patch_size=[64, 4], patch_stride=[64, 2]), "!= patch_stride"),
+        (hf_config(patch_size=[64, 8], patch_stride=[64, 8]), "must cover 4 frames"),
+        (hf_config(n_mels=128), "'n_mels' = 128 is not supported"),
+        (hf_config(hop_length=320), "'hop_length' = 320 is not supported"),
+        (hf_config(init_values=0.1), "LayerScale"),
+        (hf_config(depth=None), "'depth' is missing"),
+        (hf_config(qkv_bias="yes"), "'qkv_bias' must be bool"),
+    ],
+    ids=["legacy-arch", "no-text-config", "no-text-hidden", "token-id-range", "heads", "patch-vs-mels",
+         "patch-vs-stride", "patch-frames", "n-mels", "hop", "layer-scale", "missing-depth", "bool-type"],
+)
+def test_config_errors(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        MiDashengLMConfig.from_hf_config(cfg)
+
+
 TP_WORKER = r"""
 import json, sys
 import numpy as np, paddle, paddle.distributed as dist
 from fastdeploy_ext.config.base import FDConfig, ParallelConfig
-from fastdeploy_ext.config.midashenglm import DashengConfig
+from fastdeploy_ext.config.base import ConfigError
+from fastdeploy_ext.config.midashenglm import DashengConfig, MiDashengLMConfig
 from fastdeploy_ext.layers.audio.dasheng import DashengAudioEncoder
 
 dist.init_parallel_env()

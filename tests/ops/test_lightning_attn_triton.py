@@ -1,0 +1,253 @@
+"""Triton lightning-attention kernels on the CPU interpreter against a float64 NumPy recurrence.
+
+``TRITON_INTERPRET=1`` has to be set before Triton compiles anything, so each framework runs in one
+subprocess (``lightning_interp_runner.py``) over all cases of this file; the cases are written and
+checked here. GPU tests at full size: ``test_lightning_attn_gpu.py``.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+RUNNER = os.path.join(os.path.dirname(__file__), "lightning_interp_runner.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Interpreter dots are fp32 NumPy products (IEEE); measured 4e-8 .. 1.5e-7.
+TOL = 1e-5
+
+
+def recurrence(q, k, v, slopes, state):
+    """Float64 definition, token by token: S_t = lam S_{t-1} + k_t^T v_t, o_t = q_t S_t (per head)."""
+    lam = np.exp(-slopes.astype(np.float64))[:, None, None]
+    s = state.astype(np.float64).copy()
+    out = np.zeros(q.shape, dtype=np.float64)
+    for t in range(q.shape[0]):
+        s = lam * s + k[t].astype(np.float64)[:, :, None] * v[t].astype(np.float64)[:, None, :]
+        out[t] = np.einsum("hd,hde->he", q[t].astype(np.float64), s)
+    return out, s
+
+
+def rel_err(actual, expected):
+    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
+
+
+def prefill_case(seed, lengths, slots, num_heads, head_dim, num_slots, block_size, segment_len):
+    rng = np.random.default_rng(seed)
+    total = sum(lengths)
+    q, k, v = (rng.standard_normal((total, num_heads, head_dim)).astype(np.float32) for _ in range(3))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        slopes=(2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads) * 0.5).astype(np.float32),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        pool=rng.standard_normal((num_slots, num_heads, head_dim, head_dim)).astype(np.float32),
+        slots=np.asarray(slots, np.int32),
+        block_size=np.int64(block_size),
+        segment_len=np.int64(segment_len or 0),
+    )
+
+
+def decode_case(seed, slots, num_heads, head_dim, num_slots):
+    rng = np.random.default_rng(seed)
+    batch = len(slots)
+    q, k, v = (rng.standard_normal((batch, num_heads, head_dim)).astype(np.float32) for _ in range(3))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        slopes=(2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)).astype(np.float32),
+        pool=rng.standard_normal((num_slots, num_heads, head_dim, head_dim)).astype(np.float32),
+        slots=np.asarray(slots, np.int32),
+    )
+
+
+CASES = {
+    # One segment per sequence: the output kernel reads and writes the pool directly.
+    "prefill_varlen_d16": prefill_case(101, [1, 17, 256, 257], [4, 0, 2, 5], 2, 16, 6, 16, None),
+    # Split sequences: segment-state kernel, scan, output kernel reading scanned states.
+    "prefill_segments_d16": prefill_case(102, [1, 17, 256, 257], [1, 3, 0, 2], 2, 16, 4, 16, 64),
+    "prefill_segments_d32": prefill_case(103, [97, 40, 0, 33], [2, 0, 3, 1], 2, 32, 5, 32, 32),
+    "decode_padding_d32": decode_case(104, [3, -1, 0, 5, -1], 2, 32, 6),
+    "decode_d16": decode_case(105, [1, 0], 4, 16, 2),
+}
+FRAMEWORK_CASES = {
+    "torch": list(CASES),
+    "paddle": ["prefill_segments_d16", "decode_padding_d32"],
+    "paddle-no-torch": ["prefill_varlen_d16", "decode_padding_d32"],
+}
+
+
+@pytest.fixture(scope="module")
+def interp_results(tmp_path_factory):
+    """Run every framework's cases once; returns {(framework, case): (inputs, outputs)}."""
+    results = {}
+    for framework, names in FRAMEWORK_CASES.items():
+        if framework.startswith("paddle"):
+            pytest.importorskip("paddle")
+        if framework == "torch":
+            pytest.importorskip("torch")
+        case_dir = tmp_path_factory.mktemp(framework)
+        for name in names:
+            np.savez(case_dir / f"{name}.in.npz", **CASES[name])
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(
+            ["timeout", "120", sys.executable, RUNNER, str(case_dir), framework],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        imported_torch = "torch imported: True" in proc.stdout
+        assert imported_torch == (framework == "torch" or framework == "paddle"), proc.stdout
+        for name in names:
+            results[framework, name] = (CASES[name], dict(np.load(case_dir / f"{name}.out.npz")))
+    return results
+
+
+def check_prefill(case, result):
+    cu, slots, pool = case["cu_seqlens"], case["slots"], case["pool"]
+    out, new_pool = result["out"], result["pool"]
+    assert not np.isnan(out).any(), "unwritten output elements"
+    for b, slot in enumerate(slots):
+        sl = slice(cu[b], cu[b + 1])
+        ref_out, ref_state = recurrence(case["q"][sl], case["k"][sl], case["v"][sl], case["slopes"], pool[slot])
+        if cu[b + 1] > cu[b]:
+            assert rel_err(out[sl], ref_out) <= TOL, (b, rel_err(out[sl], ref_out))
+        assert rel_err(new_pool[slot], ref_state) <= TOL, b
+    untouched = [s for s in range(pool.shape[0]) if s not in slots]
+    assert np.array_equal(new_pool[untouched], pool[untouched])
+
+
+def check_decode(case, result):
+    slots, pool = case["slots"], case["pool"]
+    out, new_pool = result["out"], result["pool"]
+    for b, slot in enumerate(slots):
+        if slot < 0:
+            assert np.all(out[b] == 0.0), "padding row must be written with zeros"
+            continue
+        one = slice(b, b + 1)
+        ref_out, ref_state = recurrence(case["q"][one], case["k"][one], case["v"][one], case["slopes"], pool[slot])
+        assert rel_err(out[b], ref_out[0]) <= TOL
+        assert rel_err(new_pool[slot], ref_state) <= TOL
+    untouched = [s for s in range(pool.shape[0]) if s not in slots]
+    assert np.array_equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("name", ["prefill_varlen_d16", "prefill_segments_d16", "prefill_segments_d32"])
+def test_prefill_torch(interp_results, name):
+    check_prefill(*interp_results["torch", name])
+
+
+@pytest.mark.parametrize("name", ["decode_padding_d32", "decode_d16"])
+def test_decode_torch(interp_results, name):
+    check_decode(*interp_results["torch", name])
+
+
+@pytest.mark.parametrize("framework", ["paddle", "paddle-no-torch"], ids=["with-torch", "without-torch"])
+def test_paddle_tensors_through_launcher(interp_results, framework):
+    prefill = [n for n in FRAMEWORK_CASES[framework] if n.startswith("prefill")][0]
+    check_prefill(*interp_results[framework, prefill])
+    check_decode(*interp_results[framework, "decode_padding_d32"])
+
+
+def _torch_prefill_args(seed=111, tokens=10, heads=2, dim=16, slots=3):
+    torch = pytest.importorskip("torch")
+    case = prefill_case(seed, [4, tokens - 4], [0, 2], heads, dim, slots, 16, None)
+    return {
+        "q": torch.from_numpy(case["q"]),
+        "k": torch.from_numpy(case["k"]),
+        "v": torch.from_numpy(case["v"]),
+        "slopes": torch.from_numpy(case["slopes"]),
+        "cu_seqlens": torch.from_numpy(case["cu_seqlens"]),
+        "state_pool": torch.from_numpy(case["pool"]),
+        "slot_ids": torch.from_numpy(case["slots"]),
+    }
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: a.update(q=a["q"].double()), "q must be float32 or bfloat16"),
+        (lambda a: a.update(k=a["k"].bfloat16()), "dtypes differ"),
+        (lambda a: a.update(v=a["v"][:, :, :8].contiguous()), "shapes differ"),
+        (lambda a: a.update(k=a["k"].transpose(0, 1).contiguous().transpose(0, 1)), "k must be contiguous"),
+        (lambda a: a.update(slopes=a["slopes"].double()), "slopes must be"),
+        (lambda a: a.update(state_pool=a["state_pool"].bfloat16()), "state_pool must be float32"),
+        (lambda a: a.update(cu_seqlens=a["cu_seqlens"].long()), "cu_seqlens must be"),
+        (lambda a: a.update(cu_seqlens=a["cu_seqlens"] * 2), "cu_seqlens must start at 0"),
+        (lambda a: a.update(slot_ids=a["slot_ids"][:1].contiguous()), "slot_ids has 1 entries"),
+        (lambda a: a.update(slot_ids=a["slot_ids"] * 0), "distinct"),
+        (lambda a: a.update(slot_ids=a["slot_ids"] + 1), r"slot_ids must lie in \[0, 3\)"),
+    ],
+    ids=[
+        "q-dtype",
+        "mixed-dtype",
+        "v-shape",
+        "k-noncontiguous",
+        "slopes-dtype",
+        "pool-dtype",
+        "cu-dtype",
+        "cu-values",
+        "slots-count",
+        "slots-duplicate",
+        "slots-range",
+    ],
+)
+def test_prefill_rejects_bad_inputs(monkeypatch, change, match):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import lightning_attn_prefill
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # device check passes for CPU tensors; nothing launches
+    args = _torch_prefill_args()
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        lightning_attn_prefill(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block_size": 48}, "block_size"),
+        ({"precision": "fp16"}, "precision"),
+        ({"segment_len": 24}, "segment_len"),
+    ],
+    ids=["block-size", "precision", "segment-len"],
+)
+def test_prefill_rejects_bad_options(monkeypatch, kwargs, match):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import lightning_attn_prefill
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=match):
+        lightning_attn_prefill(**_torch_prefill_args(), **kwargs)
+
+
+def test_rejects_cpu_tensors_without_interpreter(monkeypatch):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import lightning_attn_prefill
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA device, or CPU tensors with TRITON_INTERPRET=1"):
+        lightning_attn_prefill(**_torch_prefill_args())
+
+
+def test_rejects_unsupported_head_dim(monkeypatch):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import lightning_attn_prefill
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="head dim D=24"):
+        lightning_attn_prefill(**_torch_prefill_args(dim=24))
+
+
+@pytest.mark.parametrize("slots, match", [([0, 0], "distinct"), ([0, 3], "slot_ids must lie")], ids=["dup", "range"])
+def test_decode_rejects_bad_slots(monkeypatch, slots, match):
+    torch = pytest.importorskip("torch")
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import lightning_attn_decode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = decode_case(121, slots, 2, 16, 3)
+    args = [torch.from_numpy(case[n]) for n in ("q", "k", "v", "slopes", "pool", "slots")]
+    with pytest.raises(ValueError, match=match):
+        lightning_attn_decode(*args)

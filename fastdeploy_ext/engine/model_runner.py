@@ -37,18 +37,19 @@ class ModelRunner:
         spec = model.state_cache_spec()
         self.state_pool = None
         if spec is not None:
+            # One [slots, *shape] tensor per recurrent layer (ops update a layer's pool in place).
             # Recurrent state is fp32 whatever the model dtype (bf16 state drifts: minimax_m1.md §6).
-            self.state_pool = paddle.zeros([spec.num_layers, num_state_slots, *spec.shape], spec.dtype)
+            self.state_pool = [paddle.zeros([num_state_slots, *spec.shape], spec.dtype) for _ in range(spec.num_layers)]
 
     def kv_cache_bytes(self) -> int:
         return sum(int(k.numel()) * k.element_size() * 2 for k, _ in self.caches)
 
     def state_pool_bytes(self) -> int:
-        return 0 if self.state_pool is None else int(self.state_pool.numel()) * self.state_pool.element_size()
+        return sum(int(p.numel()) * p.element_size() for p in self.state_pool or [])
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        if self.state_pool is not None:
-            self.state_pool[:, dst_slot] = self.state_pool[:, src_slot]
+        for pool in self.state_pool or []:
+            pool[dst_slot] = pool[src_slot]
 
     @paddle.no_grad()
     def execute(self, seqs: list[ScheduledSeq]) -> StepLogits:
@@ -75,7 +76,8 @@ class ModelRunner:
             fresh = [s.request.state_slot for s in ordered if s.start == 0]
             if fresh:
                 # A sequence starting at position 0 (new, or recomputing after preemption) starts from zero state.
-                self.state_pool[:, paddle.to_tensor(fresh)] = 0.0
+                for pool in self.state_pool:
+                    pool[paddle.to_tensor(fresh)] = 0.0
 
         meta = ForwardMeta(
             ids_remove_padding=paddle.to_tensor(np.asarray(ids, np.int64)),

@@ -20,7 +20,8 @@ class ForwardMeta:
     - ``seq_lens_decoder`` ``[B]``: tokens already cached (0 ⇒ the sequence starts here)
     - ``cu_seqlens_q`` ``[B+1]``; ``block_tables`` ``[B, max_blocks]``
     - ``caches``: ``(k_cache, v_cache)`` per attention layer (compact index)
-    - ``state_pool`` / ``slot_ids``: recurrent-state caches for models that have them
+    - ``state_pool``: per recurrent layer (ordinal among those layers) a ``[slots, *state_shape]``
+      tensor updated in place; ``slot_ids`` ``[B]`` int64, each sequence's slot (runner-owned)
     """
 
     ids_remove_padding: paddle.Tensor

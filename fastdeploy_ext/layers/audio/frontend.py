@@ -149,7 +149,7 @@ def _log_mel_same_length(clips: paddle.Tensor, window: paddle.Tensor, fb: paddle
     spec = paddle.signal.stft(
         clips, N_FFT, HOP_LENGTH, WIN_LENGTH, window, center=True, pad_mode="reflect", normalized=False, onesided=True
     )
-    power = paddle.real(spec) ** 2 + paddle.imag(spec) ** 2
+    power = paddle.as_real(spec).square().sum(axis=-1)
     mel = paddle.matmul(fb, power)
     log_mel = 10.0 * paddle.log10(paddle.clip(mel, min=AMIN))
     floor = paddle.clip(log_mel.amax(axis=[1, 2], keepdim=True) - TOP_DB, min=10.0 * np.log10(AMIN))

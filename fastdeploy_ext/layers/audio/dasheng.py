@@ -255,6 +255,8 @@ class AudioProjectorSubsample(nn.Layer):
     ):
         super().__init__()
         if in_dim is None or out_dim is None or downsample_rate is None:
+            if fd_config is None:
+                raise ValueError(f"{prefix}: pass in_dim, out_dim and downsample_rate when fd_config is None")
             model_config = fd_config.model_config
             in_dim = model_config.audio_encoder_config.embed_dim if in_dim is None else in_dim
             out_dim = model_config.text_hidden_size if out_dim is None else out_dim

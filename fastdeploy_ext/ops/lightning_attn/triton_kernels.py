@@ -31,7 +31,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _BLOCK_SIZES = (16, 32, 64, 128)
 _PRECISIONS = ("tf32", "ieee")
 _DTYPES = ("float32", "bfloat16")
-_SEG_COLS = 5  # start, end, slot, flags, state-buffer index
+_SEG_COLS = 5  # token start, token end, sequence index, flags, state-buffer index
 _FLAG_LAST = 1
 _FLAG_READ_POOL = 2
 _MAX_GRID_YZ = 65535
@@ -96,7 +96,9 @@ def _segment_scan_kernel(
     buf_ptr,  # [n_buf, H, D, D] fp32: U of segment s-1 at entry s on input, S_prev of segment s on output
     seg_ptr,  # [n_segs, 5] int32
     scan_ptr,  # [n_scan, 2] int32: first segment, number of segments (>= 2)
+    slot_ids_ptr,  # [B] int32
     slopes_ptr,
+    num_slots,
     H,
     D: tl.constexpr,
     BR: tl.constexpr,
@@ -106,13 +108,16 @@ def _segment_scan_kernel(
     i_b = tl.program_id(2)
     first = tl.load(scan_ptr + i_b * 2)
     count = tl.load(scan_ptr + i_b * 2 + 1)
-    slot = tl.load(seg_ptr + first * 5 + 2).to(tl.int64)
+    slot = tl.load(slot_ids_ptr + tl.load(seg_ptr + first * 5 + 2)).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
     buf0 = tl.load(seg_ptr + first * 5 + 4).to(tl.int64)
     neg_s = -tl.load(slopes_ptr + i_h)
     rows = i_r * BR + tl.arange(0, BR)
     tile = rows[:, None] * D + tl.arange(0, D)[None, :]
 
-    state = tl.load(pool_ptr + (slot * H + i_h) * D * D + tile)
+    # An out-of-range slot (possible only with check_slots=False) starts from zero and never touches
+    # the pool, so a bad id cannot read or write out of bounds.
+    state = tl.load(pool_ptr + (slot * H + i_h) * D * D + tile, mask=slot_ok & (tile >= 0), other=0.0)
     tl.store(buf_ptr + (buf0 * H + i_h) * D * D + tile, state)
     for i in range(1, count):
         seg_len = tl.load(seg_ptr + (first + i - 1) * 5 + 1) - tl.load(seg_ptr + (first + i - 1) * 5)
@@ -131,6 +136,8 @@ def _segment_output_kernel(
     pool_ptr,
     buf_ptr,
     seg_ptr,  # [n_segs, 5] int32
+    slot_ids_ptr,  # [B] int32
+    num_slots,
     H,
     D: tl.constexpr,
     BT: tl.constexpr,
@@ -143,7 +150,8 @@ def _segment_output_kernel(
     i_s = tl.program_id(2)
     start = tl.load(seg_ptr + i_s * 5)
     end = tl.load(seg_ptr + i_s * 5 + 1)
-    slot = tl.load(seg_ptr + i_s * 5 + 2).to(tl.int64)
+    slot = tl.load(slot_ids_ptr + tl.load(seg_ptr + i_s * 5 + 2)).to(tl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
     flags = tl.load(seg_ptr + i_s * 5 + 3)
     buf = tl.load(seg_ptr + i_s * 5 + 4).to(tl.int64)
     neg_s = -tl.load(slopes_ptr + i_h)
@@ -154,7 +162,7 @@ def _segment_output_kernel(
     pool_offs = (slot * H + i_h) * D * D + tile
 
     if (flags & 2) != 0:
-        state = tl.load(pool_ptr + pool_offs)
+        state = tl.load(pool_ptr + pool_offs, mask=slot_ok & (tile >= 0), other=0.0)
     else:
         state = tl.load(buf_ptr + (buf * H + i_h) * D * D + tile)
 
@@ -192,7 +200,7 @@ def _segment_output_kernel(
         tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
     if (flags & 1) != 0:
-        tl.store(pool_ptr + pool_offs, state)
+        tl.store(pool_ptr + pool_offs, state, mask=slot_ok & (tile >= 0))
 
 
 @triton.jit
@@ -261,6 +269,8 @@ def lightning_attn_prefill(
     block_size=64,
     precision="tf32",
     segment_len=None,
+    cu_seqlens_cpu=None,
+    check_slots=True,
     out=None,
     launch_config=None,
 ):
@@ -270,7 +280,8 @@ def lightning_attn_prefill(
         q, k, v: ``[total_tokens, H, D]`` float32 or bfloat16 (all the same), contiguous,
             D in ``SUPPORTED_HEAD_DIMS``.
         slopes: ``[H]`` float32.
-        cu_seqlens: ``[B + 1]`` int32 (copied to the host once, to plan the launch).
+        cu_seqlens: ``[B + 1]`` int32 (copied to the host to plan the launch unless ``cu_seqlens_cpu``
+            is given).
         state_pool: ``[num_slots, H, D, D]`` float32, read as initial states and overwritten in place
             with the final states of sequences ``slot_ids``.
         slot_ids: ``[B]`` int32, distinct, in ``[0, num_slots)``.
@@ -280,6 +291,11 @@ def lightning_attn_prefill(
             (about 1e-3 relative error). ``"ieee"`` computes every product in float32.
         segment_len: tokens per independently processed segment of a sequence (a multiple of
             ``block_size``); ``None`` picks it so that the launch fills the device.
+        cu_seqlens_cpu: optional host copy of ``cu_seqlens`` (NumPy array, list or CPU tensor); with
+            ``check_slots=False`` the call then never waits for the device.
+        check_slots: copy ``slot_ids`` to the host and reject out-of-range or repeated ids. With False
+            the caller guarantees them; an out-of-range id then starts from a zero state and is not
+            written back (never out of bounds), and repeated ids race.
         out: optional ``[total_tokens, H, D]`` float32 or bfloat16 output buffer; by default a new
             tensor with q's dtype.
         launch_config: optional ``LaunchConfig`` overriding the tuned tile sizes (benchmarks).
@@ -300,18 +316,21 @@ def lightning_attn_prefill(
     cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q))
     _check_block_v(cfg, head_dim)
 
-    cu = ops.to_host(cu_seqlens).astype(np.int64)
-    slots = ops.to_host(slot_ids).astype(np.int64)
+    cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
+    if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:
+        raise ValueError(f"cu_seqlens_cpu must match cu_seqlens' shape {list(cu_seqlens.shape)}, got {list(cu.shape)}")
     if cu.shape[0] < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
         raise ValueError(
             f"cu_seqlens must start at 0, be non-decreasing and end at total_tokens={total}, got {cu.tolist()}"
         )
-    if slots.shape[0] != cu.shape[0] - 1:
-        raise ValueError(f"slot_ids has {slots.shape[0]} entries but cu_seqlens describes {cu.shape[0] - 1} sequences")
-    if np.any(slots < 0) or np.any(slots >= num_slots):
-        raise ValueError(f"slot_ids must lie in [0, {num_slots}) for prefill, got {slots.tolist()}")
-    if np.unique(slots).shape[0] != slots.shape[0]:
-        raise ValueError(f"slot_ids must be distinct within one prefill batch, got {slots.tolist()}")
+    if slot_ids.shape[0] != cu.shape[0] - 1:
+        raise ValueError(f"slot_ids has {slot_ids.shape[0]} entries but cu_seqlens describes {cu.shape[0] - 1} sequences")
+    if check_slots:
+        slots = ops.to_host(slot_ids).astype(np.int64)
+        if np.any(slots < 0) or np.any(slots >= num_slots):
+            raise ValueError(f"slot_ids must lie in [0, {num_slots}) for prefill, got {slots.tolist()}")
+        if np.unique(slots).shape[0] != slots.shape[0]:
+            raise ValueError(f"slot_ids must be distinct within one prefill batch, got {slots.tolist()}")
     if total >= 2**31:
         raise ValueError(f"total_tokens={total} does not fit the int32 segment table")
 
@@ -319,7 +338,7 @@ def lightning_attn_prefill(
     seg_len = _segment_len(ops, q, cu, block_size, num_heads * n_v) if segment_len is None else segment_len
     if seg_len % block_size != 0 or seg_len <= 0:
         raise ValueError(f"segment_len must be a positive multiple of block_size={block_size}, got {seg_len!r}")
-    seg, jobs, scans, n_buf = _plan_segments(cu, slots, seg_len, block_size)
+    seg, jobs, scans, n_buf = _plan_segments(cu, seg_len, block_size)
     if seg.shape[0] == 0:
         return out
     if seg.shape[0] > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
@@ -345,7 +364,7 @@ def lightning_attn_prefill(
         ops.launch(
             _segment_scan_kernel,
             (head_dim // scan_rows, num_heads, scans.shape[0]),
-            [state_pool, buf, seg_t, ops.from_host(scans, q), slopes, num_heads],
+            [state_pool, buf, seg_t, ops.from_host(scans, q), slot_ids, slopes, num_slots, num_heads],
             D=head_dim,
             BR=scan_rows,
             num_warps=4,
@@ -353,7 +372,7 @@ def lightning_attn_prefill(
     ops.launch(
         _segment_output_kernel,
         (n_v, num_heads, seg.shape[0]),
-        [q, k, v, out, slopes, state_pool, buf, seg_t, num_heads],
+        [q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, num_heads],
         D=head_dim,
         BT=block_size,
         BV=cfg.block_v,
@@ -414,10 +433,10 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids, *, check_slots=
     return out
 
 
-def _plan_segments(cu, slots, seg_len, block_size):
+def _plan_segments(cu, seg_len, block_size):
     """Split sequences into segments of at most ``seg_len`` tokens (balanced within a sequence).
 
-    Returns the segment table ``[n_segs, 5]`` (start, end, slot, flags, buffer index), the state jobs
+    Returns the segment table ``[n_segs, 5]`` (start, end, sequence index, flags, buffer index), the state jobs
     ``[n_jobs, 3]`` (start, end, destination buffer) for every segment that has a successor, the scan
     table ``[n_scan, 2]`` (first segment, count) of split sequences, and the number of buffer entries.
     """
@@ -430,14 +449,14 @@ def _plan_segments(cu, slots, seg_len, block_size):
             continue
         count = -(-length // seg_len)
         if count == 1:
-            seg_rows.append((start, end, slots[b], _FLAG_LAST | _FLAG_READ_POOL, -1))
+            seg_rows.append((start, end, b, _FLAG_LAST | _FLAG_READ_POOL, -1))
             continue
         per = -(-(-(-length // count)) // block_size) * block_size
         bounds = list(range(start, end, per)) + [end]
         scan_rows.append((len(seg_rows), len(bounds) - 1))
         for i in range(len(bounds) - 1):
             last = i == len(bounds) - 2
-            seg_rows.append((bounds[i], bounds[i + 1], slots[b], _FLAG_LAST if last else 0, n_buf + i))
+            seg_rows.append((bounds[i], bounds[i + 1], b, _FLAG_LAST if last else 0, n_buf + i))
             if not last:
                 job_rows.append((bounds[i], bounds[i + 1], n_buf + i + 1))
         n_buf += len(bounds) - 1
@@ -510,6 +529,12 @@ class _TorchOps:
         if launcher.interpreter_enabled():
             launcher.patch_interpreter_scalar_index()
         kernel[grid](*args, **meta)
+
+
+def _host_array(x):
+    if hasattr(x, "numpy"):
+        return x.numpy()
+    return np.asarray(x)
 
 
 def _dtype_name(t):

@@ -11,6 +11,9 @@ from fastdeploy_ext.config.base import ConfigError
 
 _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("fastdeploy_ext.models.qwen2", "Qwen2ForCausalLM"),
+    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxM1ForCausalLM"),
+    "MiniMaxText01ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxText01ForCausalLM"),
+    "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxForCausalLM"),
 }
 
 

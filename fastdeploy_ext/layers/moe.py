@@ -1,0 +1,99 @@
+"""Top-k routed SwiGLU experts with stacked expert weights (FastDeploy's ``FusedMoE`` surface).
+
+``out = sum_{e in topk(x)} w_e * W_down_e (silu(W_gate_e x) * W_up_e x)`` with router probabilities
+``softmax(x W_r^T)`` in fp32 and (optionally) renormalised top-k weights. Under tensor parallelism each
+rank holds ``inter/tp`` columns of every expert; the partial sums are all-reduced exactly once here,
+so callers must not reduce again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy_ext.config.base import divide
+from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
+from fastdeploy_ext.layers.linear import compute_dtype
+from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
+
+SHARD_IDS = ("gate", "up", "down")
+
+
+class FusedMoE(nn.Layer):
+    """Parameters (torch-layout checkpoints are transposed on load):
+
+    - ``up_gate_proj_weight`` ``[E, hidden, 2 * inter/tp]``: gate columns first, then up;
+    - ``down_proj_weight`` ``[E, inter/tp, hidden]``.
+
+    Both take ``weight_loader(param, w, shard_id, expert_id)`` with ``w`` one expert's torch-layout matrix
+    (``gate``/``up``: ``[inter, hidden]``, ``down``: ``[hidden, inter]``), sliced lazily per rank.
+    """
+
+    def __init__(self, fd_config, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool = True, reduce_results: bool = True, prefix: str = ""):
+        super().__init__()
+        self.fd_config = fd_config
+        self.prefix = prefix
+        self.tp_size, self.tp_rank = tp_size(fd_config), tp_rank(fd_config)
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.intermediate_size = moe_intermediate_size
+        self.inter_per_rank = divide(moe_intermediate_size, self.tp_size, f"{prefix}: intermediate_size / tensor_parallel_size")
+        self.renormalize, self.reduce_results = renormalize, reduce_results
+        dtype = compute_dtype(fd_config)
+        self.up_gate_proj_weight = create_param(self, [num_experts, hidden_size, 2 * self.inter_per_rank], dtype)
+        self.down_proj_weight = create_param(self, [num_experts, self.inter_per_rank, hidden_size], dtype)
+        for name, shards in (("up_gate_proj_weight", ("gate", "up")), ("down_proj_weight", ("down",))):
+            param = getattr(self, name)
+            param.weight_loader = self.weight_loader
+            param.param_path = f"{prefix}.{name}"
+            param.expected_shards = {f"{e}.{s}" for e in range(num_experts) for s in shards}
+
+    def weight_loader(self, param, loaded_weight, shard_id=None, expert_id=None):
+        if shard_id not in SHARD_IDS:
+            raise WeightLoadError(f"'{param.param_path}': shard id must be one of {SHARD_IDS}, got {shard_id!r}")
+        if not isinstance(expert_id, int) or not 0 <= expert_id < self.num_experts:
+            raise WeightLoadError(f"'{param.param_path}': expert id {expert_id!r} outside [0, {self.num_experts})")
+        where = f"{param.param_path}[expert {expert_id}, {shard_id}]"
+        n, lo = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+        if shard_id == "down":
+            if param is not self.down_proj_weight:
+                raise WeightLoadError(f"'{param.param_path}' got shard id 'down' (it belongs to down_proj_weight)")
+            check_shape(where, shape_of(loaded_weight), (self.hidden_size, self.intermediate_size))
+            assign(param, as_float32(loaded_weight[:, lo:lo + n]).T, expert_id)
+        else:
+            if param is not self.up_gate_proj_weight:
+                raise WeightLoadError(f"'{param.param_path}' got shard id {shard_id!r} (it belongs to up_gate_proj_weight)")
+            check_shape(where, shape_of(loaded_weight), (self.intermediate_size, self.hidden_size))
+            offset = 0 if shard_id == "gate" else n
+            assign(param, as_float32(loaded_weight[lo:lo + n]).T, (expert_id, slice(None), slice(offset, offset + n)))
+        mark_loaded(param, f"{expert_id}.{shard_id}")
+
+    def forward(self, x: paddle.Tensor, gate: nn.Layer) -> paddle.Tensor:
+        """``x`` ``[T, hidden]``; ``gate`` maps fp32 ``[T, hidden]`` to router logits ``[T, E]``."""
+        t = x.shape[0]
+        probs = nn.functional.softmax(gate(x.astype("float32")).astype("float32"), axis=-1)
+        top_w, top_i = paddle.topk(probs, self.top_k, axis=-1)
+        if self.renormalize:
+            top_w = top_w / paddle.sum(top_w, axis=-1, keepdim=True)
+        # Group the T*k (token, expert) pairs by expert: one matmul pair per expert that got tokens.
+        flat_expert = top_i.reshape([-1])
+        order = paddle.argsort(flat_expert, stable=True)
+        tokens = paddle.gather(paddle.arange(t, dtype="int64").unsqueeze(1).expand([t, self.top_k]).reshape([-1]), order)
+        weights = paddle.gather(top_w.reshape([-1]), order).unsqueeze(1)
+        counts = np.bincount(flat_expert.numpy(), minlength=self.num_experts)
+        out = paddle.zeros([t, self.hidden_size], dtype="float32")
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            idx = tokens[start:start + count]
+            up_gate = paddle.matmul(paddle.gather(x, idx), self.up_gate_proj_weight[e])
+            g, u = paddle.split(up_gate, 2, axis=-1)
+            y = paddle.matmul(nn.functional.silu(g) * u, self.down_proj_weight[e])
+            out = paddle.index_add(out, idx, 0, y.astype("float32") * weights[start:start + count])
+            start += count
+        out = out.astype(x.dtype)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out, self.fd_config)
+        return out

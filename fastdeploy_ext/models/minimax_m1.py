@@ -1,0 +1,288 @@
+"""MiniMax-M1 / MiniMax-Text-01: hybrid decoder of lightning (linear) attention layers and GQA softmax
+layers with partial NeoX RoPE, every layer followed by a top-k SwiGLU MoE, DeepNorm residuals.
+
+Caches: paged KV only for the softmax layers (compact ``kv_cache_index`` 0..n_full-1); one fp32 recurrent
+state ``[H/tp, D, D]`` per lightning layer and sequence in the runner's state pool. Math and checkpoint
+names: docs/models/minimax_m1.md.
+"""
+
+from __future__ import annotations
+
+import re
+
+import paddle
+from paddle import nn
+
+from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
+from fastdeploy_ext.layers.attention import Attention
+from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
+from fastdeploy_ext.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata
+from fastdeploy_ext.layers.moe import FusedMoE
+from fastdeploy_ext.layers.normalization import RMSNorm
+from fastdeploy_ext.layers.rotary_embedding import get_rope
+from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
+from fastdeploy_ext.model_loader import check_all_loaded
+from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
+
+
+class MiniMaxM1MoE(nn.Layer):
+    """Router (fp32, replicated) + routed experts; the experts all-reduce their output once."""
+
+    def __init__(self, fd_config, cfg: MiniMaxM1Config, prefix: str):
+        super().__init__()
+        self.gate = ReplicatedLinear(fd_config, f"{prefix}.gate", cfg.hidden_size, cfg.num_local_experts,
+                                     weight_dtype="float32")
+        self.experts = FusedMoE(fd_config, cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
+                                cfg.num_experts_per_tok, renormalize=True, prefix=f"{prefix}.experts")
+
+    def forward(self, x):
+        return self.experts(x, self.gate)
+
+
+class MiniMaxM1Attention(nn.Layer):
+    """GQA softmax attention with partial RoPE over the paged cache ``kv_cache_index``."""
+
+    def __init__(self, fd_config, cfg: MiniMaxM1Config, kv_cache_index: int, rotary_emb, prefix: str):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(fd_config, f"{prefix}.qkv_proj", cfg.hidden_size, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.head_dim)
+        self.o_proj = RowParallelLinear(fd_config, f"{prefix}.o_proj", cfg.num_attention_heads * cfg.head_dim,
+                                        cfg.hidden_size)
+        self.num_heads = self.qkv_proj.num_heads_per_rank
+        self.num_kv_heads = self.qkv_proj.kv_heads_per_rank
+        self.head_dim = cfg.head_dim
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(fd_config, self.num_heads, self.num_kv_heads, cfg.head_dim, kv_cache_index=kv_cache_index,
+                              prefix=f"{prefix}.attn")
+
+    def forward(self, positions, hidden, forward_meta):
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = qkv[:, :q_size].reshape([-1, self.num_heads, self.head_dim])
+        k = qkv[:, q_size:q_size + kv_size].reshape([-1, self.num_kv_heads, self.head_dim])
+        v = qkv[:, q_size + kv_size:].reshape([-1, self.num_kv_heads, self.head_dim])
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_meta))
+
+
+class MiniMaxM1DecoderLayer(nn.Layer):
+    """DeepNorm residual (spec §5). With ``postnorm`` (every released checkpoint) the residual carried is
+    the normed tensor::
+
+        a = norm_in(x);  h = alpha_attn * a + beta_attn * attn(a)
+        b = norm_post(h); y = alpha_mlp * b + beta_mlp * moe(b)
+
+    without it, the un-normed input (``x``, then ``h``) is carried instead.
+    """
+
+    def __init__(self, fd_config, cfg: MiniMaxM1Config, layer_id: int, cache_index: int, rotary_emb, prefix: str):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_id] == LINEAR
+        self.postnorm = cfg.postnorm
+        self.attn_alpha, self.attn_beta, self.mlp_alpha, self.mlp_beta = cfg.residual_factors(layer_id)
+        self.input_layernorm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.input_layernorm")
+        if self.is_linear:
+            self.self_attn = LinearAttention(
+                fd_config, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, layer_id, cfg.num_hidden_layers,
+                state_index=cache_index, norm_eps=cfg.lightning_norm_eps, block_size=cfg.block_size,
+                prefix=f"{prefix}.self_attn",
+            )
+        else:
+            self.self_attn = MiniMaxM1Attention(fd_config, cfg, cache_index, rotary_emb, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps,
+                                                f"{prefix}.post_attention_layernorm")
+        self.block_sparse_moe = MiniMaxM1MoE(fd_config, cfg, f"{prefix}.block_sparse_moe")
+
+    def forward(self, positions, x, forward_meta, linear_meta):
+        """``x`` ``[T, hidden]`` → ``[T, hidden]``."""
+        a, _ = self.input_layernorm(x)
+        if self.is_linear:
+            attn = self.self_attn(a, forward_meta, linear_meta)
+        else:
+            attn = self.self_attn(positions, a, forward_meta)
+        h = self.attn_alpha * (a if self.postnorm else x) + self.attn_beta * attn
+        b, _ = self.post_attention_layernorm(h)
+        return self.mlp_alpha * (b if self.postnorm else h) + self.mlp_beta * self.block_sparse_moe(b)
+
+
+class MiniMaxM1Model(nn.Layer):
+    def __init__(self, fd_config, cfg: MiniMaxM1Config, prefix: str = "model"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(fd_config, cfg.vocab_size, cfg.hidden_size, f"{prefix}.embed_tokens")
+        # NeoX pairing (i, i + rotary_dim/2) on the leading rotary_dim channels, ladder over rotary_dim.
+        rope = get_rope(cfg.head_dim, fd_config.scheduler_config.max_model_len, cfg.rope_theta,
+                        rotary_dim=cfg.rotary_dim, style="neox")
+        layers, n_linear, n_full = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            # Compact cache indices: state pool ordinal for lightning layers, KV cache ordinal for GQA layers.
+            index = n_linear if kind == LINEAR else n_full
+            layers.append(MiniMaxM1DecoderLayer(fd_config, cfg, i, index, rope, f"{prefix}.layers.{i}"))
+            n_linear, n_full = n_linear + (kind == LINEAR), n_full + (kind != LINEAR)
+        self.layers = nn.LayerList(layers)
+        self.num_linear_layers = n_linear
+        self.norm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.norm")
+
+    def forward(self, ids_remove_padding, forward_meta):
+        hidden = self.embed_tokens(ids_remove_padding)
+        linear_meta = LinearAttentionMetadata.from_forward_meta(forward_meta) if self.num_linear_layers else None
+        for layer in self.layers:
+            hidden = layer(forward_meta.position_ids, hidden, forward_meta, linear_meta)
+        hidden, _ = self.norm(hidden)
+        return hidden
+
+
+# Checkpoint tensors that are recomputed from the config, never loaded: HF-native's persistent decay
+# buffers (slopes and their block tables) and RoPE inverse frequencies.
+MINIMAX_IGNORED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay", "rotary_emb.inv_freq")
+# (param part, checkpoint part, shard id), first match wins; GQA rows apply only inside full-attention layers.
+MINIMAX_COMMON_PARAMS = [
+    ("block_sparse_moe.gate", "mlp.gate", None),  # HF-native router name
+    ("embed_tokens.embeddings", "embed_tokens", None),
+    ("lm_head.linear", "lm_head", None),
+]
+MINIMAX_FULL_ATTN_PARAMS = [
+    ("self_attn.qkv_proj", "self_attn.q_proj", "q"),
+    ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
+    ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
+]
+# Per-expert tensors (original: w1 = gate, w3 = up, w2 = down) or HF-native stacked ones.
+_EXPERT_RE = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<rest>.+)$")
+_PER_EXPERT_RE = re.compile(r"^(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+_W_SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class MiniMaxM1ForCausalLM(ModelForCausalLM):
+    config_class = MiniMaxM1Config
+    # A cached KV prefix is useless without the lightning state at exactly that position.
+    supports_prefix_caching = False
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        cfg: MiniMaxM1Config = fd_config.model_config
+        self.cfg = cfg
+        self.model = MiniMaxM1Model(fd_config, cfg, prefix="model")
+        self.lm_head = ParallelLMHead(fd_config, cfg.hidden_size, cfg.vocab_size, "lm_head")
+
+    @classmethod
+    def name(cls) -> str:
+        return "MiniMaxM1ForCausalLM"
+
+    def forward(self, ids_remove_padding, forward_meta):
+        return self.model(ids_remove_padding, forward_meta)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self):
+        return [KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+                for layer in self.model.layers if not layer.is_linear]
+
+    def state_cache_spec(self):
+        if not self.model.num_linear_layers:
+            return None
+        attn = next(layer.self_attn for layer in self.model.layers if layer.is_linear)
+        return StateCacheSpec(self.model.num_linear_layers, (attn.heads_per_rank, attn.head_dim, attn.head_dim))
+
+    def load_weights(self, weights) -> set:
+        """Route every checkpoint tensor (either format, fp32 or bf16) to one parameter's loader; raise on
+        any tensor that matches nothing and on any parameter left (partly) unfilled. Returns loaded names."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for ckpt_name, tensor in weights:
+            if any(ckpt_name == s or ckpt_name.endswith("." + s) for s in MINIMAX_IGNORED):
+                continue
+            try:
+                expert = _EXPERT_RE.match(ckpt_name)
+                if expert:
+                    self._load_experts(params, expert["layer"], expert["rest"], tensor)
+                else:
+                    name, shard_id = self._param_name(ckpt_name)
+                    param = params.get(name)
+                    if param is None:
+                        raise WeightLoadError(f"matches no model parameter (looked for '{name}')")
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            except WeightLoadError as e:
+                raise WeightLoadError(f"checkpoint tensor '{ckpt_name}': {e}") from None
+            loaded.add(ckpt_name)
+        check_all_loaded(self)
+        return loaded
+
+    def _param_name(self, ckpt_name: str) -> tuple[str, str | None]:
+        """Dispatch on the layer type: the fused ``self_attn.qkv_proj`` exists in both layer types, but on disk
+        only lightning layers carry it (head-major); a GQA layer's must be assembled from q/k/v."""
+        table = MINIMAX_COMMON_PARAMS
+        layer = _LAYER_RE.match(ckpt_name)
+        if layer and int(layer[1]) < len(self.model.layers) and not self.model.layers[int(layer[1])].is_linear:
+            if ".self_attn.qkv_proj." in ckpt_name:
+                raise WeightLoadError(f"layer {layer[1]} is a full-attention layer: expected q_proj/k_proj/v_proj, "
+                                      "not a fused qkv_proj")
+            table = MINIMAX_FULL_ATTN_PARAMS + MINIMAX_COMMON_PARAMS
+        for param_part, ckpt_part, shard_id in table:
+            probe = f".{ckpt_part}."
+            if probe in f".{ckpt_name}":
+                return f".{ckpt_name}".replace(probe, f".{param_part}.", 1)[1:], shard_id
+        return ckpt_name, None
+
+    def _load_experts(self, params: dict, layer: str, rest: str, tensor) -> None:
+        up_gate = params.get(f"{layer}.block_sparse_moe.experts.up_gate_proj_weight")
+        down = params.get(f"{layer}.block_sparse_moe.experts.down_proj_weight")
+        if up_gate is None:
+            raise WeightLoadError(f"no MoE experts at '{layer}'")
+        experts: FusedMoE = self.model.layers[int(layer.rsplit(".", 1)[1])].block_sparse_moe.experts
+        per_expert = _PER_EXPERT_RE.match(rest)
+        if per_expert:
+            shard = _W_SHARD[per_expert["w"]]
+            experts.weight_loader(down if shard == "down" else up_gate, tensor, shard, int(per_expert["e"]))
+            return
+        e, inter, hidden = experts.num_experts, experts.intermediate_size, experts.hidden_size
+        if rest == "gate_up_proj":
+            _check_stacked(tensor, (e, 2 * inter, hidden))
+            for i in range(e):  # gate rows first, then up (transformers' MiniMaxExperts)
+                experts.weight_loader(up_gate, _ExpertRows(tensor, i, 0, inter), "gate", i)
+                experts.weight_loader(up_gate, _ExpertRows(tensor, i, inter, 2 * inter), "up", i)
+        elif rest == "down_proj":
+            _check_stacked(tensor, (e, hidden, inter))
+            for i in range(e):
+                experts.weight_loader(down, _ExpertRows(tensor, i, 0, hidden), "down", i)
+        else:
+            raise WeightLoadError(f"unknown expert tensor '{rest}' (expected E.w1/w2/w3.weight, gate_up_proj, down_proj)")
+
+
+class MiniMaxText01ForCausalLM(MiniMaxM1ForCausalLM):
+    @classmethod
+    def name(cls) -> str:
+        return "MiniMaxText01ForCausalLM"
+
+
+class MiniMaxForCausalLM(MiniMaxM1ForCausalLM):
+    """HF-native checkpoints (``model_type: minimax``)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "MiniMaxForCausalLM"
+
+
+def _check_stacked(tensor, want: tuple) -> None:
+    if shape_of(tensor) != want:
+        raise WeightLoadError(f"shape mismatch: checkpoint {list(shape_of(tensor))}, expected {list(want)}")
+
+
+class _ExpertRows:
+    """Rows ``[start, end)`` of expert ``expert`` in a stacked ``[E, rows, cols]`` checkpoint tensor, still lazy."""
+
+    def __init__(self, source, expert: int, start: int, end: int):
+        self.source, self.expert, self.start, self.end = source, expert, start, end
+        self.shape = (end - start, shape_of(source)[2])
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        rows, cols = idx[0], idx[1] if len(idx) > 1 else slice(None)
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("_ExpertRows supports contiguous row slices only")
+        n = self.end - self.start
+        lo = self.start + (rows.start or 0)
+        hi = self.start + (n if rows.stop is None else min(rows.stop, n))
+        return self.source[self.expert:self.expert + 1, lo:hi, cols][0]

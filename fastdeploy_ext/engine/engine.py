@@ -168,6 +168,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if reason in ("length", "abort") or reason == "stop" and not req.params.stop:
+            # A stream may end inside a multi-byte character held back by the detokenizer.
+            req.output_text += req.detokenizer.flush()
         req.finish_reason = reason
         req.error_msg = error
         self.scheduler.finish(req)

@@ -31,7 +31,8 @@ class ModelRunner:
         rows = num_kv_blocks * self.block_size
         dtype = fd_config.load_config.dtype
         self.caches = [
-            (paddle.zeros([rows, s.num_kv_heads, s.head_dim], dtype), paddle.zeros([rows, s.num_kv_heads, s.head_dim], dtype))
+            ([paddle.zeros([rows, s.head_dim], dtype) for _ in range(s.num_kv_heads)],
+             [paddle.zeros([rows, s.head_dim], dtype) for _ in range(s.num_kv_heads)])
             for s in model.kv_cache_spec()
         ]
         spec = model.state_cache_spec()
@@ -42,7 +43,7 @@ class ModelRunner:
             self.state_pool = [paddle.zeros([num_state_slots, *spec.shape], spec.dtype) for _ in range(spec.num_layers)]
 
     def kv_cache_bytes(self) -> int:
-        return sum(int(k.numel()) * k.element_size() * 2 for k, _ in self.caches)
+        return sum(int(t.numel()) * t.element_size() * 2 for k, _ in self.caches for t in k)
 
     def state_pool_bytes(self) -> int:
         return sum(int(p.numel()) * p.element_size() for p in self.state_pool or [])

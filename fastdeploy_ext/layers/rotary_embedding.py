@@ -30,34 +30,36 @@ class RotaryEmbedding(nn.Layer):
         self.max_position = max_position
         inv_freq = (1.0 / (np.float32(base) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))).astype(np.float32)
         angles = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq[None, :]
-        # [max_position, rotary_dim/2]; tables are constants, not parameters (never loaded).
-        self.register_buffer("cos_cache", paddle.to_tensor(np.cos(angles)), persistable=False)
-        self.register_buffer("sin_cache", paddle.to_tensor(np.sin(angles)), persistable=False)
+        cos, sin = np.cos(angles), np.sin(angles)
+        # Full-width tables laid out like the channels they multiply, so a rotation is
+        # x * cos + partner(x) * sin with partner = the paired channel and the sign folded into sin.
+        if style == "neox":
+            cos_full, sin_full = np.concatenate([cos, cos], 1), np.concatenate([-sin, sin], 1)
+        else:
+            cos_full = np.repeat(cos, 2, axis=1)
+            sin_full = np.stack([-sin, sin], axis=-1).reshape(max_position, rotary_dim)
+        # [max_position, rotary_dim]; constants, not parameters (never loaded).
+        self.register_buffer("cos_cache", paddle.to_tensor(cos_full), persistable=False)
+        self.register_buffer("sin_cache", paddle.to_tensor(sin_full), persistable=False)
 
-    def cos_sin(self, positions: paddle.Tensor):
-        """positions ``[T]`` int64 → cos, sin ``[T, 1, rotary_dim/2]`` fp32."""
+    def rotate(self, positions: paddle.Tensor, x: paddle.Tensor) -> paddle.Tensor:
+        """x ``[T, heads, head_dim]`` → rotated copy (q and k heads may be rotated together)."""
+        r = self.rotary_dim
         cos = paddle.gather(self.cos_cache, positions).unsqueeze(1)
         sin = paddle.gather(self.sin_cache, positions).unsqueeze(1)
-        return cos, sin
-
-    def _rotate(self, x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
-        r = self.rotary_dim
-        rot = x[..., :r].astype("float32")
+        rot = x[..., :r].astype("float32") if r < self.head_dim else x.astype("float32")
         if self.style == "neox":
-            x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
-            out = paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+            partner = paddle.concat([rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
         else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = paddle.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
-        out = out.astype(x.dtype)
+            partner = paddle.stack([rot[..., 1::2], rot[..., 0::2]], axis=-1).reshape(rot.shape)
+        out = (rot * cos + partner * sin).astype(x.dtype)
         if r == self.head_dim:
             return out
         return paddle.concat([out, x[..., r:]], axis=-1)
 
     def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):
         """q ``[T, Hq, D]``, k ``[T, Hkv, D]`` → rotated copies (inputs are not modified)."""
-        cos, sin = self.cos_sin(positions)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
 def get_rope(head_dim: int, max_position: int, base: float, rotary_dim: int | None = None,

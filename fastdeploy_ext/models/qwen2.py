@@ -40,8 +40,8 @@ class Qwen2MLP(nn.Layer):
         self.down_proj = RowParallelLinear(fd_config, f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x):
-        gate, up = paddle.chunk(self.up_gate_proj(x), 2, axis=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        # swiglu splits the last dim in halves: silu(gate) * up, one kernel.
+        return self.down_proj(nn.functional.swiglu(self.up_gate_proj(x)))
 
 
 class Qwen2Attention(nn.Layer):
@@ -64,10 +64,10 @@ class Qwen2Attention(nn.Layer):
     def forward(self, positions, hidden, forward_meta):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = qkv[:, :q_size].reshape([-1, self.num_heads, self.head_dim])
-        k = qkv[:, q_size:q_size + kv_size].reshape([-1, self.num_kv_heads, self.head_dim])
+        # q and k heads rotate in one call: same positions, same table.
+        qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size].reshape([-1, self.num_heads + self.num_kv_heads, self.head_dim]))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].reshape([-1, self.num_kv_heads, self.head_dim])
-        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, forward_meta))
 
 

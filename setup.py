@@ -29,6 +29,7 @@ setup(
             "transformers",
             "triton==3.6.0",
             "librosa",
+            "dasheng==0.0.9",
             "fastapi",
             "uvicorn",
             "openai",

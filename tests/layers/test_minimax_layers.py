@@ -1,0 +1,191 @@
+"""MiniMax layers against independent formulas: slopes (spec §3 tables), partial NeoX RoPE vs the GPT-J/GLM
+variant, the lightning layer vs a float64 NumPy recurrence over a mixed decode + chunked-prefill step, the
+MoE vs a per-token float64 loop, tensor-parallel shards of the lightning parameters, and the DeepNorm
+residual in both postnorm forms.
+
+Tolerance: 1e-5 relative (fp32 compute, ≤ ~20 ops per output, vs float64).
+"""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_ext.config.base import FDConfig, ParallelConfig
+from fastdeploy_ext.config.minimax_m1 import MiniMaxM1Config
+from fastdeploy_ext.layers.forward_meta import ForwardMeta
+from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata, alibi_slopes, lightning_slopes
+from fastdeploy_ext.layers.moe import FusedMoE
+from fastdeploy_ext.layers.rotary_embedding import get_rope
+from fastdeploy_ext.layers.utils import WeightLoadError
+from fastdeploy_ext.models.minimax_m1 import MiniMaxM1DecoderLayer
+from fastdeploy_ext.tiny.minimax_m1 import write_tiny_minimax_m1
+
+REL_TOL = 1e-5
+
+
+def rel_err(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def test_slopes_non_power_of_two_alibi_interleave():
+    assert np.allclose(alibi_slopes(6), [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125], rtol=0, atol=0)
+
+
+def test_slopes_m1_values():
+    base = alibi_slopes(64)
+    assert np.allclose(base, 2.0 ** (-8.0 * np.arange(1, 65) / 64), rtol=1e-15)
+    assert base[[0, 7, 31, 63]] == pytest.approx([0.917, 0.5, 0.0625, 0.0039], abs=5e-4)
+    for layer, factor in ((0, 1.00001), (40, 0.4937), (78, 0.01267)):
+        assert lightning_slopes(64, layer, 80)[7] / 0.5 == pytest.approx(factor, rel=2e-4)
+
+
+def test_partial_neox_rope_and_gptj_differs():
+    head_dim, r, theta = 16, 8, 1e7
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 2, head_dim)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100, 511])
+    neox = get_rope(head_dim, 512, theta, rotary_dim=r, style="neox")
+    gptj = get_rope(head_dim, 512, theta, rotary_dim=r, style="gptj")
+    got, _ = neox(paddle.to_tensor(pos), paddle.to_tensor(x), paddle.to_tensor(x))
+    ang = pos[:, None, None] * (1.0 / theta ** (np.arange(0, r, 2) / r))  # ladder over r, not head_dim
+    c, s = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., : r // 2].astype(np.float64), x[..., r // 2:r].astype(np.float64)
+    want = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., r:]], axis=-1)
+    assert rel_err(got.numpy(), want) <= REL_TOL
+    assert np.array_equal(got.numpy()[..., r:], x[..., r:])  # pass-through channels untouched
+    other, _ = gptj(paddle.to_tensor(pos), paddle.to_tensor(x), paddle.to_tensor(x))
+    assert np.allclose(other.numpy()[0], got.numpy()[0], atol=1e-6)  # the two agree at position 0 only
+    assert np.abs(other.numpy()[1:] - got.numpy()[1:]).max() > 0.1
+
+
+def _tiny_cfg(tmp_path, **overrides):
+    return MiniMaxM1Config.from_hf_config(write_tiny_minimax_m1(str(tmp_path / "cfg"), **overrides))
+
+
+def _randomize(layer, seed):
+    rng = np.random.default_rng(seed)
+    for p in layer.parameters():
+        fan_in = p.shape[-2] if len(p.shape) >= 2 else 1
+        scale = 1.0 / np.sqrt(fan_in) if len(p.shape) >= 2 else 0.1
+        base = 1.0 if len(p.shape) == 1 else 0.0
+        p.set_value(paddle.to_tensor((base + scale * rng.standard_normal(p.shape)).astype(np.float32)))
+
+
+def _step_meta(pool, lens, num_decode, slots):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    meta = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=np.array(lens),
+                       seq_lens_encoder=None, seq_lens_decoder=None, cu_seqlens_q=cu, block_tables=None, caches=[],
+                       attn_metadata=None, num_decode=num_decode, state_pool=[pool], slot_ids=np.array(slots, np.int64))
+    return meta, LinearAttentionMetadata.from_forward_meta(meta)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def test_lightning_layer_matches_float64_recurrence(tmp_path):
+    """Step 1 prefills three sequences; step 2 mixes two decodes and a carried prefill chunk; state read and
+    written at the sequences' slots only (slot 3 stays untouched)."""
+    cfg = _tiny_cfg(tmp_path)
+    layer_id, heads, d, hidden = 4, cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    attn = LinearAttention(FDConfig(model_config=cfg), hidden, heads, d, layer_id, cfg.num_hidden_layers, 0,
+                           norm_eps=1e-6, block_size=cfg.block_size, prefix="l")
+    _randomize(attn, 7)
+    w_qkv, w_gate, w_out = (getattr(attn, n).weight.numpy().astype(np.float64) for n in ("qkv_proj", "output_gate", "out_proj"))
+    w_norm = attn.norm.weight.numpy().astype(np.float64)
+    lam = np.exp(-lightning_slopes(heads, layer_id, cfg.num_hidden_layers))
+    rng = np.random.default_rng(8)
+    pool = paddle.zeros([4, heads, d, d])
+    ref_state = {s: np.zeros((heads, d, d)) for s in range(4)}
+
+    def reference(x, slot):
+        qkv = _silu(x @ w_qkv).reshape(len(x), heads, 3 * d)
+        q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        ys = []
+        for t in range(len(x)):
+            ref_state[slot] = lam[:, None, None] * ref_state[slot] + k[t][:, :, None] * v[t][:, None, :]
+            ys.append(np.einsum("hd,hde->he", q[t], ref_state[slot]).reshape(-1))
+        y = np.array(ys)
+        z = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * w_norm
+        return (1.0 / (1.0 + np.exp(-(x @ w_gate))) * z) @ w_out
+
+    for lens, num_decode, slots in (([21, 9, 13], 0, [2, 0, 1]), ([1, 1, 30], 2, [0, 2, 1])):
+        x = rng.standard_normal((sum(lens), hidden))
+        meta, lmeta = _step_meta(pool, lens, num_decode, slots)
+        got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots)])
+        assert rel_err(got, want) <= REL_TOL
+        for s in range(3):
+            assert rel_err(pool[s].numpy(), ref_state[s]) <= REL_TOL
+        assert float(pool[3].abs().max()) == 0.0
+
+
+def test_lightning_tp_shards_use_global_heads(tmp_path):
+    cfg = _tiny_cfg(tmp_path)
+    fd = FDConfig(model_config=cfg, parallel_config=ParallelConfig(tensor_parallel_size=2, tensor_parallel_rank=1))
+    attn = LinearAttention(fd, cfg.hidden_size, 4, 16, 2, 8, 0, prefix="l")
+    assert np.allclose(attn.slopes.numpy(), lightning_slopes(4, 2, 8)[2:].astype(np.float32))
+    norm = np.arange(64, dtype=np.float32)
+    attn.norm.weight.weight_loader(attn.norm.weight, norm)
+    assert np.array_equal(attn.norm.weight.numpy(), norm[32:])  # same head-major channels as gate and y
+    qkv = np.arange(192 * 64, dtype=np.float32).reshape(192, 64)
+    attn.qkv_proj.weight.weight_loader(attn.qkv_proj.weight, qkv)
+    assert np.array_equal(attn.qkv_proj.weight.numpy(), qkv[96:].T)  # heads 2, 3: whole [q|k|v] rows
+    with pytest.raises(WeightLoadError, match="l.norm.weight"):
+        attn.norm.weight.weight_loader(attn.norm.weight, norm[:32])
+
+
+def test_moe_matches_per_token_loop():
+    hidden, inter, experts, top_k = 32, 24, 5, 2
+    moe = FusedMoE(None, hidden, inter, experts, top_k, prefix="moe")
+    rng = np.random.default_rng(3)
+    w1, w3 = rng.standard_normal((2, experts, inter, hidden)) / np.sqrt(hidden)
+    w2 = rng.standard_normal((experts, hidden, inter)) / np.sqrt(inter)
+    router = rng.standard_normal((experts, hidden)) * 0.5
+    for e in range(experts):
+        moe.weight_loader(moe.up_gate_proj_weight, w1[e], "gate", e)
+        moe.weight_loader(moe.up_gate_proj_weight, w3[e], "up", e)
+        moe.weight_loader(moe.down_proj_weight, w2[e], "down", e)
+    with pytest.raises(WeightLoadError, match=r"loaded twice: moe.up_gate_proj_weight\[0.gate\]"):
+        moe.weight_loader(moe.up_gate_proj_weight, w1[0], "gate", 0)
+
+    def gate(x):
+        return paddle.matmul(x, paddle.to_tensor(router.T.astype(np.float32)))
+
+    x = rng.standard_normal((37, hidden))
+    got = moe(paddle.to_tensor(x.astype(np.float32)), gate).numpy()
+    want = np.zeros_like(x)
+    for t in range(len(x)):
+        logits = router @ x[t]
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        top = np.argsort(-p)[:top_k]
+        for e in top:
+            want[t] += p[e] / p[top].sum() * (w2[e] @ (_silu(w1[e] @ x[t]) * (w3[e] @ x[t])))
+    assert rel_err(got, want) <= REL_TOL
+
+
+@pytest.mark.parametrize("postnorm", [True, False], ids=["postnorm", "prenorm"])
+def test_decoder_layer_residual_formula(tmp_path, postnorm):
+    """postnorm: carried residual = normed tensor (spec §5); otherwise the un-normed input."""
+    cfg = _tiny_cfg(tmp_path)
+    cfg.postnorm = postnorm
+    layer = MiniMaxM1DecoderLayer(FDConfig(model_config=cfg), cfg, 1, 0, None, "model.layers.1")
+    _randomize(layer, 11)
+    x = paddle.to_tensor(np.random.default_rng(12).standard_normal((19, cfg.hidden_size)).astype(np.float32))
+    heads, d = cfg.num_attention_heads, cfg.head_dim
+
+    def run(fn):
+        meta, lmeta = _step_meta(paddle.zeros([1, heads, d, d]), [19], 0, [0])
+        return fn(meta, lmeta)
+
+    got = run(lambda m, lm: layer(None, x, m, lm)).numpy()
+    a, _ = layer.input_layernorm(x)
+    attn = run(lambda m, lm: layer.self_attn(a, m, lm))
+    h = 3.5566 * (a if postnorm else x) + 1.0 * attn
+    b, _ = layer.post_attention_layernorm(h)
+    want = 1.7 * (b if postnorm else h) + 1.1 * layer.block_sparse_moe(b)
+    assert rel_err(got, want.numpy().astype(np.float64)) <= 1e-6
+    other = 3.5566 * (x if postnorm else a) + attn  # the other form really is a different function
+    assert rel_err(other.numpy(), h.numpy().astype(np.float64)) > 0.1

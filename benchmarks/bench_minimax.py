@@ -1,0 +1,99 @@
+"""MiniMax on the engine vs HF transformers ``generate`` (CPU, fp32, same thread count), and decode cost vs context.
+
+Model: random MiniMax, 8 layers (GQA at l = 3, 7), hidden 512, 8 heads of 64 (rotary 32), 8 experts top-2,
+intermediate 512. Run: ``python benchmarks/bench_minimax.py [--threads N] [--requests 32]``.
+
+1. Throughput: ``--requests`` prompts of 64 random tokens, 32 greedy tokens each; the engine batches them,
+   HF ``generate`` runs them as one left-padded batch (its MiniMaxCache has no per-request admission).
+2. Decode time per token at context 256 and 4096 on the engine (one sequence): lightning layers cost the
+   same at any context (fixed [H, D, D] state); only the two GQA layers grow with the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BENCH_MODEL = dict(hidden_size=512, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=64, rotary_dim=32, num_local_experts=8, num_experts_per_tok=2,
+                   block_size=64, max_position_embeddings=8192)
+
+
+def engine_throughput(path, prompts, new_tokens):
+    from fastdeploy_ext import LLM, SamplingParams
+
+    llm = LLM(model=path, max_model_len=1024, max_num_seqs=len(prompts), max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return sum(len(o.outputs.token_ids) for o in outs) / dt
+
+
+def hf_throughput(path, prompts, new_tokens):
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.minimax_oracle import load_minimax_oracle
+
+    model = load_minimax_oracle(path)
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2, do_sample=False)
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False)
+        dt = time.perf_counter() - t
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+
+
+def decode_ms_per_token(path, context, new_tokens=32):
+    from fastdeploy_ext import LLM, SamplingParams
+
+    llm = LLM(model=path, max_model_len=context + new_tokens + 1, max_num_seqs=1, max_num_batched_tokens=8192)
+    prompt = np.random.default_rng(1).integers(0, 500, size=context).tolist()
+    few = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, few, use_tqdm=False)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate({"prompt_token_ids": prompt}, many, use_tqdm=False)
+    return (time.perf_counter() - t - prefill) / new_tokens * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    import paddle
+    import torch
+
+    torch.set_num_threads(args.threads)
+    paddle.set_num_threads(args.threads) if hasattr(paddle, "set_num_threads") else None
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+
+    from fastdeploy_ext.tiny import write_tiny
+
+    with tempfile.TemporaryDirectory() as d:
+        write_tiny("MiniMaxM1ForCausalLM", d, seed=0, full_every=4, **BENCH_MODEL)
+        prompts = np.random.default_rng(0).integers(0, 500, size=(args.requests, 64)).tolist()
+        eng = engine_throughput(d, prompts, args.new_tokens)
+        hf = hf_throughput(d, prompts, args.new_tokens)
+        print(f"threads={args.threads} requests={args.requests} prompt=64 new={args.new_tokens}")
+        print(f"engine: {eng:.1f} tok/s   HF generate: {hf:.1f} tok/s   ratio {eng / hf:.2f}")
+        for ctx in (256, 4096):
+            print(f"engine decode at context {ctx}: {decode_ms_per_token(d, ctx):.1f} ms/token")
+
+
+if __name__ == "__main__":
+    main()

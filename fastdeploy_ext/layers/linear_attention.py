@@ -55,6 +55,7 @@ class LinearAttentionMetadata:
     decode_slots: paddle.Tensor | None  # [Bd] int32
     prefill_cu_seqlens: paddle.Tensor | None  # [Bp + 1] int32, relative to token num_decode
     prefill_slots: paddle.Tensor | None  # [Bp] int32
+    prefill_cu_seqlens_cpu: np.ndarray | None  # host copy: the GPU prefill plans its launch without a device sync
 
     @classmethod
     def from_forward_meta(cls, forward_meta) -> "LinearAttentionMetadata":
@@ -62,11 +63,12 @@ class LinearAttentionMetadata:
         cu = np.asarray(forward_meta.cu_seqlens_q, np.int64)
         nd = int(forward_meta.num_decode)
         decode = paddle.to_tensor(slots[:nd]) if nd else None
-        prefill_cu = prefill_slots = None
+        prefill_cu = prefill_slots = cu_host = None
         if nd < len(slots):
-            prefill_cu = paddle.to_tensor((cu[nd:] - cu[nd]).astype(np.int32))
+            cu_host = (cu[nd:] - cu[nd]).astype(np.int32)
+            prefill_cu = paddle.to_tensor(cu_host)
             prefill_slots = paddle.to_tensor(slots[nd:])
-        return cls(nd, decode, prefill_cu, prefill_slots)
+        return cls(nd, decode, prefill_cu, prefill_slots, cu_host)
 
 
 def select_lightning_ops(block_size: int):
@@ -75,11 +77,15 @@ def select_lightning_ops(block_size: int):
     if paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu"):
         from fastdeploy_ext.ops.lightning_attn import triton_kernels
 
-        # The kernels tile their own chunks (16..128 tokens); the block size only changes rounding.
-        return triton_kernels.lightning_attn_prefill, triton_kernels.lightning_attn_decode
+        def prefill_gpu(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):
+            # The kernels tile their own chunks (16..128 tokens); the block size only changes rounding.
+            return triton_kernels.lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids,
+                                                         cu_seqlens_cpu=cu_seqlens_cpu)
+
+        return prefill_gpu, triton_kernels.lightning_attn_decode
     from fastdeploy_ext.ops.lightning_attn import reference
 
-    def prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids):
+    def prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):
         return reference.lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, block_size=block_size)
 
     return prefill, reference.lightning_attn_decode
@@ -139,7 +145,7 @@ class LinearAttention(nn.Layer):
             parts.append(self._decode_op(q[:nd], k[:nd], v[:nd], self.slopes, pool, meta.decode_slots))
         if meta.prefill_slots is not None:
             parts.append(self._prefill_op(q[nd:], k[nd:], v[nd:], self.slopes, meta.prefill_cu_seqlens, pool,
-                                          meta.prefill_slots))
+                                          meta.prefill_slots, meta.prefill_cu_seqlens_cpu))
         y = (parts[0] if len(parts) == 1 else paddle.concat(parts, axis=0)).reshape([t, h * d])
         z = self._tp_rms_norm(y)
         gate = nn.functional.sigmoid(self.output_gate(hidden).astype("float32"))

@@ -75,12 +75,11 @@ def main():
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
-    import paddle
+    # Paddle's CPU kernels read OMP_NUM_THREADS when first imported; torch is told explicitly.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)
-    paddle.set_num_threads(args.threads) if hasattr(paddle, "set_num_threads") else None
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
 
     from fastdeploy_ext.tiny import write_tiny
 

@@ -173,7 +173,9 @@ class LLMEngine:
             req.output_text += req.detokenizer.flush()
         req.finish_reason = reason
         req.error_msg = error
+        req.metrics.finish_time = time.time()
         self.scheduler.finish(req)
+        self.runner.release([req.request_id])
         self._requests.pop(req.request_id, None)
 
     def step(self) -> list[Request]:

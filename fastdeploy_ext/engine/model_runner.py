@@ -4,6 +4,7 @@ model and returns the fp32 logits rows the sampler needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -41,6 +42,7 @@ class ModelRunner:
             # One [slots, *shape] tensor per recurrent layer (ops update a layer's pool in place).
             # Recurrent state is fp32 whatever the model dtype (bf16 state drifts: minimax_m1.md §6).
             self.state_pool = [paddle.zeros([num_state_slots, *spec.shape], spec.dtype) for _ in range(spec.num_layers)]
+        self._mm_inputs: dict[str, Any] = {}
 
     def kv_cache_bytes(self) -> int:
         return sum(int(t.numel()) * t.element_size() * 2 for k, _ in self.caches for t in k)
@@ -52,29 +54,42 @@ class ModelRunner:
         for pool in self.state_pool or []:
             pool[dst_slot] = pool[src_slot]
 
-    @paddle.no_grad()
     def execute(self, seqs: list[ScheduledSeq]) -> StepLogits:
+        return self.execute_step(make_seq_inputs(seqs))
+
+    def release(self, request_ids) -> None:
+        """Drop per-request host data (multimodal inputs and what the model cached in them)."""
+        for rid in request_ids:
+            self._mm_inputs.pop(rid, None)
+
+    @paddle.no_grad()
+    def execute_step(self, seqs: list["SeqInput"]) -> StepLogits:
+        for s in seqs:
+            # Keep the first object per request: a model may cache derived tensors in it (the audio
+            # encoder runs once per clip per request), and tensor-parallel ranks receive it only once.
+            if s.multimodal_inputs is not None:
+                self._mm_inputs.setdefault(s.request_id, s.multimodal_inputs)
+            s.multimodal_inputs = self._mm_inputs.get(s.request_id)
         # Decodes (one new token) first, then multi-token prefill chunks: attention batches the former.
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_new_tokens > 1)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > 1)
         ordered = [seqs[i] for i in order]
-        num_decode = sum(1 for s in ordered if s.num_new_tokens == 1)
+        num_decode = sum(1 for s in ordered if len(s.token_ids) == 1)
 
         ids, positions = [], []
-        lens = np.array([s.num_new_tokens for s in ordered], np.int64)
+        lens = np.array([len(s.token_ids) for s in ordered], np.int64)
         starts = np.array([s.start for s in ordered], np.int64)
-        max_blocks = max(len(s.request.block_ids) for s in ordered)
+        max_blocks = max(len(s.block_ids) for s in ordered)
         block_tables = np.zeros([len(ordered), max_blocks], np.int64)
         for b, s in enumerate(ordered):
-            toks = s.request.all_token_ids
-            ids.extend(toks[s.start:s.start + s.num_new_tokens])
-            positions.extend(range(s.start, s.start + s.num_new_tokens))
-            block_tables[b, : len(s.request.block_ids)] = s.request.block_ids
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + len(s.token_ids)))
+            block_tables[b, : len(s.block_ids)] = s.block_ids
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
 
         slot_ids = None
         if self.state_pool is not None:
-            slot_ids = np.array([s.request.state_slot for s in ordered], np.int64)
-            fresh = [s.request.state_slot for s in ordered if s.start == 0]
+            slot_ids = np.array([s.state_slot for s in ordered], np.int64)
+            fresh = [s.state_slot for s in ordered if s.start == 0]
             if fresh:
                 # A sequence starting at position 0 (new, or recomputing after preemption) starts from zero state.
                 for pool in self.state_pool:
@@ -94,14 +109,14 @@ class ModelRunner:
             num_decode=num_decode,
             state_pool=self.state_pool,
             slot_ids=slot_ids,
-            extra={"requests": [s.request for s in ordered]},
+            extra={"requests": ordered},
         )
         hidden = self.model(meta.ids_remove_padding, meta)
 
         rows, sample_at, prompt_at = [], {}, {}
         for b, s in enumerate(ordered):
-            if s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_token_ids):
-                prompt_at[b] = (len(rows), s.num_new_tokens)
+            if s.prompt_logits:
+                prompt_at[b] = (len(rows), len(s.token_ids))
                 rows.extend(range(cu[b], cu[b + 1]))
             if s.completes:
                 sample_at[b] = len(rows)
@@ -118,3 +133,37 @@ class ModelRunner:
                 r, n = prompt_at[b]
                 prompt[i] = logits[r:r + n]
         return StepLogits(sample, prompt)
+
+
+@dataclass
+class SeqInput:
+    """What a rank needs of one scheduled sequence; picklable (sent to tensor-parallel ranks)."""
+
+    request_id: str
+    token_ids: list  # the tokens computed this step
+    start: int  # position of token_ids[0] == tokens already cached
+    block_ids: list
+    state_slot: int | None
+    prompt_len: int
+    prompt_logits: bool  # logits of these prompt positions are wanted (prompt_logprobs)
+    completes: bool  # the last row's logits are sampled from
+    multimodal_inputs: Any = None
+
+
+def make_seq_inputs(seqs: list[ScheduledSeq]) -> list[SeqInput]:
+    out = []
+    for s in seqs:
+        r = s.request
+        prefill = s.start < len(r.prompt_token_ids)
+        out.append(SeqInput(
+            request_id=r.request_id,
+            token_ids=r.all_token_ids[s.start:s.start + s.num_new_tokens],
+            start=s.start,
+            block_ids=list(r.block_ids),
+            state_slot=r.state_slot,
+            prompt_len=len(r.prompt_token_ids),
+            prompt_logits=r.params.prompt_logprobs is not None and prefill,
+            completes=s.completes,
+            multimodal_inputs=r.multimodal_inputs if prefill else None,
+        ))
+    return out

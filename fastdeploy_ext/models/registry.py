@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxM1ForCausalLM"),
     "MiniMaxText01ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxText01ForCausalLM"),
     "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxForCausalLM"),
+    "MiDashengLMModel": ("fastdeploy_ext.models.midashenglm", "MiDashengLMModel"),
 }
 
 

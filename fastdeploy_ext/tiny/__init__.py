@@ -8,6 +8,7 @@ _WRITERS = {
     "Qwen2ForCausalLM": ("fastdeploy_ext.tiny.qwen2", "write_tiny_qwen2"),
     "MiniMaxM1ForCausalLM": ("fastdeploy_ext.tiny.minimax_m1", "write_tiny_minimax_m1"),
     "MiniMaxForCausalLM": ("fastdeploy_ext.tiny.minimax_m1", "write_tiny_minimax_hf"),
+    "MiDashengLMModel": ("fastdeploy_ext.tiny.midashenglm", "write_tiny_midashenglm"),
 }
 
 

@@ -1,0 +1,310 @@
+"""MiDashengLM: Dasheng audio encoder -> subsampling projector -> the engine's Qwen2 decoder.
+
+A prompt carries one ``<|AUDIO|>`` placeholder per clip; :meth:`MiDashengLMModel.multimodal_processor` expands each into
+``N(L)`` audio tokens (wrapped in ``<|audio_bos|>``/``<|audio_eos|>``) and records their prompt positions. During
+prefill the model overwrites the text embeddings at those positions, in order, with the projector's rows. The encoder
+runs once per clip per request: its rows are cached on the request's :class:`AudioInputs`, so later prefill chunks
+and a recompute after preemption reuse them, and they are released with the request. Decode steps never touch audio.
+
+Checkpoint names (spec §7, docs/models/midashenglm.md): ``audio_encoder.*`` (``blocks.{i}``), ``audio_projector.net.{0,2}``,
+``decoder.model.*``, ``decoder.lm_head``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+from paddle import nn
+
+from fastdeploy_ext.config.base import ConfigError
+from fastdeploy_ext.config.midashenglm import MiDashengLMConfig
+from fastdeploy_ext.config.qwen2 import Qwen2Config
+from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAudioEncoder
+from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
+from fastdeploy_ext.layers.audio.io import audio_token_count, load_audio, pad_to_min_samples
+from fastdeploy_ext.layers.embeddings import ParallelLMHead
+from fastdeploy_ext.layers.utils import WeightLoadError
+from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, load_weights_by_table
+from fastdeploy_ext.models.qwen2 import QWEN2_IGNORED, Qwen2Model, _check_tied_head, _tied_logits
+
+AUDIO_TOKEN = "<|AUDIO|>"
+AUDIO_BOS = "<|audio_bos|>"
+AUDIO_EOS = "<|audio_eos|>"
+
+# Qwen2.5-Omni's text config class default; Qwen2Config's own default (1e4) would silently build another model.
+OMNI_ROPE_THETA = 1e6
+
+# Checkpoint tensors that are never loaded: BatchNorm's step counter and the mel filterbank / window some revisions
+# persist (possibly bf16-rounded; the frontend recomputes them in float64). Anything else unmatched is an error.
+IGNORED_TENSORS = (
+    "audio_encoder.init_bn.num_batches_tracked",
+    "audio_encoder.front_end.0.spectrogram.window",
+    "audio_encoder.front_end.0.mel_scale.fb",
+)
+# Checkpoint -> parameter names that are not a fused-shard rename (Paddle's BatchNorm statistics naming).
+RENAMED_TENSORS = {
+    "audio_encoder.init_bn.running_mean": "audio_encoder.init_bn._mean",
+    "audio_encoder.init_bn.running_var": "audio_encoder.init_bn._variance",
+}
+# Shard id of every checkpoint projection named in packed_modules_mapping.
+SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}
+
+
+@dataclass(frozen=True)
+class MiDashengLMModelConfig(MiDashengLMConfig):
+    """:class:`MiDashengLMConfig` plus the parsed decoder (``text``) and the fields the engine reads.
+
+    ``tie_word_embeddings_given`` is False when neither ``text_config`` nor the top level sets
+    ``tie_word_embeddings``: transformers 4.x then unties and 5.x ties, so the checkpoint decides (a stored
+    ``decoder.lm_head.weight`` means untied; without one loading fails).
+    """
+
+    text: Qwen2Config
+    tie_word_embeddings_given: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.text.max_position_embeddings
+
+    @property
+    def eos_token_id(self) -> list:
+        return self.text.eos_token_id
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "MiDashengLMModelConfig":
+        base = MiDashengLMConfig.from_hf_config(cfg, where)
+        text = dict(base.text_config)
+        tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
+        if tie is not None and not isinstance(tie, bool):
+            raise ConfigError(f"{where}: 'tie_word_embeddings' must be a bool, got {tie!r}")
+        text["tie_word_embeddings"] = bool(tie)
+        if "rope_theta" not in text and "rope_theta" not in (text.get("rope_parameters") or {}):
+            text["rope_theta"] = OMNI_ROPE_THETA
+        decoder = Qwen2Config.from_hf_config(text, where=f"{where}: text_config")
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(MiDashengLMConfig)}
+        return cls(**fields, text=decoder, tie_word_embeddings_given=tie is not None)
+
+
+@dataclass
+class AudioInputs:
+    """A request's audio (``Request.multimodal_inputs``), shared by its ``n`` sibling sequences.
+
+    - ``waveforms``: per clip, float32 ``[L_k]`` mono 16 kHz, ``L_k >= 3200`` (shorter clips zero-padded)
+    - ``num_tokens``: per clip, ``N(L_k)`` audio tokens
+    - ``positions``: int64 ``[sum N]`` prompt indices of the audio tokens, clip after clip (ascending)
+    - ``embeddings``: ``[sum N, hidden]`` projected rows, filled by the first step that needs them
+    """
+
+    waveforms: list
+    num_tokens: list
+    positions: np.ndarray
+    embeddings: paddle.Tensor | None = None
+
+
+class MiDashengLMDecoder(nn.Layer):
+    """``decoder.model`` (the engine's :class:`Qwen2Model`) and ``decoder.lm_head`` (absent when tied)."""
+
+    def __init__(self, fd_config, cfg: Qwen2Config, prefix: str = "decoder"):
+        super().__init__()
+        self.fd_config = fd_config
+        self.model = Qwen2Model(fd_config, cfg, prefix=f"{prefix}.model")
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else ParallelLMHead(fd_config, cfg.hidden_size, cfg.vocab_size, f"{prefix}.lm_head")
+        )
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """``[N, hidden]`` -> fp32 ``[N, vocab]``."""
+        if self.lm_head is None:
+            return _tied_logits(self.model.embed_tokens, hidden, self.fd_config)
+        return self.lm_head(hidden)
+
+
+class MiDashengLMModel(ModelForCausalLM):
+    config_class = MiDashengLMModelConfig
+    # The decoder's fused parameters and the checkpoint projections they hold, in shard order (FastDeploy spelling);
+    # load_weights builds its stacked-params table from it and quantization matches per-shard names with it.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
+    # Every clip expands to identical <|AUDIO|> ids: a token-keyed prefix cache would reuse another clip's KV.
+    supports_prefix_caching = False
+
+    def __init__(self, fd_config):
+        super().__init__(fd_config)
+        cfg: MiDashengLMModelConfig = fd_config.model_config
+        self.cfg = cfg
+        self.audio_encoder = DashengAudioEncoder(fd_config, "audio_encoder", cfg.audio_encoder_config)
+        self.audio_projector = AudioProjectorSubsample(
+            fd_config, "audio_projector", cfg.audio_encoder_config.embed_dim, cfg.text.hidden_size, cfg.subsample_factor
+        )
+        self.decoder = MiDashengLMDecoder(fd_config, cfg.text, prefix="decoder")
+
+    @classmethod
+    def name(cls) -> str:
+        return "MiDashengLMModel"
+
+    def kv_cache_spec(self):
+        attn = self.decoder.model.layers[0].self_attn
+        return [KVCacheSpec(attn.num_kv_heads, attn.head_dim)] * self.cfg.text.num_hidden_layers
+
+    def compute_logits(self, hidden):
+        return self.decoder.compute_logits(hidden)
+
+    def forward(self, ids_remove_padding, forward_meta):
+        """``[T]`` ids -> ``[T, hidden]``. Audio rows replace the embeddings of this step's audio tokens;
+        ``forward_meta.extra["requests"]`` gives each sequence's request (None or absent: text only)."""
+        embeds = self.decoder.model.embed_tokens(ids_remove_padding)
+        token_index, rows = self._step_audio_rows(forward_meta)
+        if token_index is not None:
+            embeds = paddle.scatter(embeds, paddle.to_tensor(token_index), rows.astype(embeds.dtype), overwrite=True)
+        return self.decoder.model(ids_remove_padding, forward_meta, inputs_embeds=embeds)
+
+    def _step_audio_rows(self, forward_meta):
+        """Step token indices ``[A]`` that hold audio tokens and their rows ``[A, hidden]`` (or ``(None, None)``).
+
+        Sequence ``b`` covers prompt positions ``[start, start + n)`` with ``start = seq_lens_decoder[b]``; its audio
+        positions in that window may start or end mid-clip (chunked prefill). Clips not yet encoded are encoded
+        here, all in one batch.
+        """
+        requests = forward_meta.extra.get("requests") or []
+        windows = []
+        for b, request in enumerate(requests):
+            audio = getattr(request, "multimodal_inputs", None)
+            if not isinstance(audio, AudioInputs):
+                continue
+            start = int(forward_meta.seq_lens_decoder[b])
+            lo, hi = np.searchsorted(audio.positions, [start, start + int(forward_meta.seq_lens_this_time[b])])
+            if hi > lo:
+                windows.append((b, start, audio, int(lo), int(hi)))
+        if not windows:
+            return None, None
+
+        pending = {id(audio): audio for _, _, audio, _, _ in windows if audio.embeddings is None}
+        if pending:
+            self._encode(list(pending.values()))
+        token_index, rows = [], []
+        for b, start, audio, lo, hi in windows:
+            token_index.append(forward_meta.cu_seqlens_q[b] + audio.positions[lo:hi] - start)
+            rows.append(audio.embeddings[lo:hi])
+        return np.concatenate(token_index).astype(np.int64), paddle.concat(rows, axis=0)
+
+    def _encode(self, inputs: list) -> None:
+        """Run frontend, encoder and projector over every clip of ``inputs`` as one padded batch and store each
+        request's first ``N(L_k)`` rows per clip. Each clip's frontend sees only its own samples and the key mask
+        hides the padding, so a clip's rows do not depend on its batch neighbours."""
+        waves = [w for audio in inputs for w in audio.waveforms]
+        lengths = np.array([w.shape[0] for w in waves], np.int64)
+        padded = np.zeros([len(waves), int(lengths.max())], np.float32)
+        for k, w in enumerate(waves):
+            padded[k, : w.shape[0]] = w
+        hidden, keep = self.audio_encoder(log_mel_spectrogram(padded, lengths), lengths)
+        projected, _ = self.audio_projector(hidden, keep)
+        k = 0
+        for audio in inputs:
+            clips = []
+            for n in audio.num_tokens:
+                if projected.shape[1] < n:
+                    raise ValueError(f"projector gave {projected.shape[1]} rows for a clip that needs {n} audio tokens")
+                clips.append(projected[k, :n])
+                k += 1
+            audio.embeddings = paddle.concat(clips, axis=0)
+            if audio.embeddings.shape[0] != audio.positions.shape[0]:
+                raise ValueError(
+                    f"{audio.embeddings.shape[0]} audio rows for {audio.positions.shape[0]} <|AUDIO|> prompt positions"
+                )
+
+    def multimodal_processor(self, tokenizer, text, ids, multimodal_data):
+        """Load the audio and expand the placeholders: ``(text, ids, mm) -> (text, expanded ids, AudioInputs | None)``.
+
+        ``multimodal_data``: None or ``{"audio": [source, ...]}`` (a single source is accepted too); a source is a
+        waveform at 16 kHz, ``(waveform, sample_rate)``, a path or encoded bytes (see ``load_audio``). The prompt must
+        hold exactly one ``<|AUDIO|>`` per clip; each becomes ``N(L)`` copies inside ``<|audio_bos|>...<|audio_eos|>``
+        (added unless already there). Raises ValueError/TypeError naming the clip and the problem.
+        """
+        audio_id, bos_id, eos_id = self._special_ids(tokenizer)
+        clips = self._load_clips(multimodal_data)
+        places = [i for i, t in enumerate(ids) if t == audio_id]
+        if len(places) != len(clips):
+            raise ValueError(
+                f"the prompt has {len(places)} {AUDIO_TOKEN} placeholder(s) but {len(clips)} audio clip(s) were given; "
+                f"put exactly one {AUDIO_TOKEN} per clip, in order"
+            )
+        if not clips:
+            return text, list(ids), None
+        out, positions, num_tokens, prev = [], [], [], 0
+        for p, wave in zip(places, clips):
+            n = audio_token_count(wave.shape[0])
+            wrapped = 0 < p < len(ids) - 1 and ids[p - 1] == bos_id and ids[p + 1] == eos_id
+            out.extend(ids[prev:p] if wrapped else [*ids[prev:p], bos_id])
+            positions.extend(range(len(out), len(out) + n))
+            out.extend([audio_id] * n)
+            if not wrapped:
+                out.append(eos_id)
+            num_tokens.append(n)
+            prev = p + 1
+        out.extend(ids[prev:])
+        return text, out, AudioInputs(clips, num_tokens, np.asarray(positions, np.int64))
+
+    def _special_ids(self, tokenizer) -> tuple:
+        found = {t: tokenizer.token_to_id(t) for t in (AUDIO_TOKEN, AUDIO_BOS, AUDIO_EOS)}
+        missing = [t for t, i in found.items() if i is None]
+        if missing:
+            raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s); MiDashengLM needs all three")
+        return self.cfg.check_audio_token_id(found[AUDIO_TOKEN]), found[AUDIO_BOS], found[AUDIO_EOS]
+
+    @staticmethod
+    def _load_clips(multimodal_data) -> list:
+        """16 kHz float32 mono waveforms, each at least 3200 samples, from ``multimodal_data["audio"]``."""
+        if multimodal_data is None:
+            return []
+        if not isinstance(multimodal_data, dict):
+            raise TypeError(f"multimodal_data must be a dict like {{'audio': [...]}}, got {type(multimodal_data).__name__}")
+        unknown = sorted(set(multimodal_data) - {"audio"})
+        if unknown:
+            raise ValueError(f"multimodal_data has unsupported key(s) {unknown}; MiDashengLM takes 'audio' only")
+        sources = multimodal_data.get("audio")
+        if sources is None:
+            return []
+        if not isinstance(sources, list):
+            sources = [sources]
+        clips = []
+        for k, source in enumerate(sources):
+            try:
+                clips.append(pad_to_min_samples(load_audio(source)))
+            except (ValueError, TypeError, FileNotFoundError) as e:
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(f"audio[{k}]: {e}") from None
+        return clips
+
+    def stacked_params_mapping(self) -> list:
+        """``(param component, checkpoint component, shard id)`` rows for :func:`load_weights_by_table`, built from
+        ``packed_modules_mapping`` plus the decoder's embedding/head renames."""
+        rows = [(packed, part, SHARD_IDS[part]) for packed, parts in self.packed_modules_mapping.items() for part in parts]
+        return rows + [("embed_tokens.embeddings", "embed_tokens", None), ("lm_head.linear", "lm_head", None)]
+
+    def load_weights(self, weights) -> set:
+        """Load every checkpoint tensor into its parameter (strict both ways; see IGNORED_TENSORS); returns the
+        loaded checkpoint names."""
+        weights = _check_tied_head(
+            self._renamed(weights), self.cfg.text.tie_word_embeddings, "decoder.lm_head.weight",
+            "decoder.model.embed_tokens.weight",
+        )
+        return load_weights_by_table(self, weights, self.stacked_params_mapping(), ignore=QWEN2_IGNORED)
+
+    def _renamed(self, weights):
+        saw_head = False
+        for name, tensor in weights:
+            if name in IGNORED_TENSORS:
+                continue
+            saw_head |= name == "decoder.lm_head.weight"
+            yield RENAMED_TENSORS.get(name, name), tensor
+        if not self.cfg.tie_word_embeddings_given and not saw_head:
+            raise WeightLoadError(
+                "config.json sets tie_word_embeddings nowhere (text_config or top level) and the checkpoint has no "
+                "'decoder.lm_head.weight': transformers 4.x would leave lm_head untied, 5.x would tie it; "
+                "set tie_word_embeddings explicitly"
+            )

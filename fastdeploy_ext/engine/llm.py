@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
+import urllib.parse
+import urllib.request
 from typing import Any
 
 from fastdeploy_ext.engine.engine import LLMEngine
@@ -73,7 +77,8 @@ class LLM:
                         raise TypeError("'prompt' must be a str")
                     ids = self.tokenizer.encode(text, add_special_tokens=True)
                 mm = item.get("multimodal_data")
-                if mm is not None:
+                if mm is not None or hasattr(self.llm_engine.model, "multimodal_processor"):
+                    # A multimodal model also checks text-only prompts (e.g. for stray media placeholders).
                     text, ids, mm = self._process_multimodal(text, ids, mm)
                 self.llm_engine.validate_prompt(ids, params)
             except (ValueError, TypeError) as e:
@@ -102,7 +107,11 @@ class LLM:
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
                                                       chat_template=chat_template, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            audio = _audio_parts(conv, f"conversation {len(prompts)}")
+            if audio:
+                prompt["multimodal_data"] = {"audio": audio}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -125,3 +134,54 @@ class LLM:
         if bar is not None:
             bar.close()
         return finished
+
+
+def _audio_parts(conversation, where: str) -> list:
+    """Audio sources of a conversation's ``input_audio`` / ``audio_url`` content parts, in message and part order
+    (the order the chat template renders their placeholders): encoded ``bytes`` or a file path."""
+    sources = []
+    for m, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_audio", "audio_url"):
+                continue
+            try:
+                sources.append(_input_audio(part) if kind == "input_audio" else _audio_url(part))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{where}: messages[{m}].content[{p}] ({kind}): {e}") from None
+    return sources
+
+
+def _input_audio(part: dict) -> bytes:
+    """``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}}`` -> encoded bytes."""
+    body = part.get("input_audio")
+    if not isinstance(body, dict) or not isinstance(body.get("data"), str):
+        raise TypeError("expected {'input_audio': {'data': <base64 str>, 'format': ...}}")
+    try:
+        return base64.b64decode(body["data"], validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"'data' is not valid base64: {e}") from None
+
+
+def _audio_url(part: dict):
+    """``{"type": "audio_url", "audio_url": {"url": ...}}`` with a ``file://`` or base64 ``data:`` URL -> a path or
+    encoded bytes. Remote URLs are refused: the offline engine fetches nothing."""
+    body = part.get("audio_url")
+    url = body.get("url") if isinstance(body, dict) else body
+    if not isinstance(url, str):
+        raise TypeError("expected {'audio_url': {'url': <str>}}")
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "file":
+        return urllib.request.url2pathname(parsed.path)
+    if parsed.scheme == "data":
+        header, _, data = parsed.path.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError("a data: audio URL must be base64-encoded (data:<mime>;base64,...)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"data: URL is not valid base64: {e}") from None
+    raise ValueError(f"unsupported audio URL scheme {parsed.scheme!r} in {url[:80]!r}; use file:// or data:")

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -32,76 +33,148 @@ from fastdeploy_ext.models.registry import architecture_of, get_model_class
 
 logger = logging.getLogger("fastdeploy_ext")
 
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank process died or failed; the engine cannot continue."""
+
 DEFAULT_MAX_MODEL_LEN = 32768
 # Without num_kv_blocks, the KV pool gets at most this many bytes (CPU RAM is shared with everything else).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
+@dataclass
+class EngineArgs:
+    """Everything needed to rebuild the model on another process (tensor-parallel ranks)."""
+
+    model: str
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    seed: int = 0
+    device: str = "auto"
+
+
+def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
+    """Parse config.json and the engine arguments into ``(model_class, FDConfig)``; raises
+    ``ConfigError`` naming the field for anything inconsistent."""
+    if args.device not in ("auto", "cpu"):
+        raise ConfigError(f"device {args.device!r} is not available in this build (Paddle CPU); use 'cpu' or 'auto'")
+    if args.dtype not in ("auto", "float32"):
+        raise ConfigError(f"dtype {args.dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
+    if args.quantization is not None:
+        raise ConfigError(f"quantization {args.quantization!r} is not supported by this engine build yet")
+    if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive int, got {args.tensor_parallel_size!r}")
+
+    hf_config = load_hf_config(args.model)
+    model_cls = get_model_class(architecture_of(hf_config))
+    model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(args.model, "config.json"))
+
+    limit = model_config.max_position_embeddings
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+        if limit > max_model_len and rank == 0:
+            logger.info("max_model_len defaults to %d (config allows %d; pass max_model_len to raise it)",
+                        max_model_len, limit)
+    elif max_model_len > limit:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds max_position_embeddings {limit} of the model")
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = 2048 if args.enable_chunked_prefill else max_model_len
+    fd_config = FDConfig(
+        model_config=model_config,
+        parallel_config=ParallelConfig(args.tensor_parallel_size, rank, tp_group),
+        cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        scheduler_config=SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill, max_model_len),
+        quant_config=QuantConfig(method=args.quantization),
+        load_config=LoadConfig(model_path=args.model, dtype="float32"),
+    )
+    return model_cls, fd_config
+
+
+def build_model(model_cls, fd_config, load: bool = True):
+    """Construct the model; with ``load`` read this rank's weights, else build it under
+    ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only)."""
+    with paddle.no_grad():
+        if not load:
+            with paddle.LazyGuard():
+                return model_cls(fd_config)
+        model = model_cls(fd_config)
+        model.eval()
+        model.load_weights(iterate_checkpoint(fd_config.load_config.model_path))
+        return model
+
+
 class LLMEngine:
-    def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
-                 dtype: str = "auto", quantization: str | None = None, seed: int = 0, device: str = "auto"):
+    def __init__(self, model: str, **kwargs):
         from fastdeploy_ext.engine.tokenizer import Tokenizer
 
-        if device not in ("auto", "cpu"):
-            raise ConfigError(f"device {device!r} is not available in this build (Paddle CPU); use 'cpu' or 'auto'")
+        from fastdeploy_ext.engine import distributed
+
+        args = EngineArgs(model=model, **kwargs)
+        self.args = args
         paddle.set_device("cpu")
-        if dtype not in ("auto", "float32"):
-            raise ConfigError(f"dtype {dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
-        if tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not supported by this engine build yet")
-        if quantization is not None:
-            raise ConfigError(f"quantization {quantization!r} is not supported by this engine build yet")
+        tp = args.tensor_parallel_size
+        launched = distributed.launched_world_size()
+        rank = 0
+        if launched > 1:
+            if launched != tp:
+                raise ConfigError(f"started by paddle.distributed.launch with {launched} processes but "
+                                  f"tensor_parallel_size={tp}; they must be equal")
+            import paddle.distributed as dist
 
-        hf_config = load_hf_config(model)
-        arch = architecture_of(hf_config)
-        model_cls = get_model_class(arch)
-        model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(model, "config.json"))
-
-        limit = model_config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-            if limit > max_model_len:
-                logger.info("max_model_len defaults to %d (config allows %d; pass max_model_len to raise it)",
-                            max_model_len, limit)
-        elif max_model_len > limit:
-            raise ConfigError(f"max_model_len {max_model_len} exceeds max_position_embeddings {limit} of the model")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max_model_len
-
-        self.fd_config = FDConfig(
-            model_config=model_config,
-            parallel_config=ParallelConfig(tensor_parallel_size, 0),
-            cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
-            scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_model_len),
-            quant_config=QuantConfig(method=quantization),
-            load_config=LoadConfig(model_path=model, dtype="float32"),
-        )
-        self.max_model_len = max_model_len
-        self.tokenizer = Tokenizer.from_pretrained(tokenizer or model)
+            dist.init_parallel_env()
+            rank = dist.get_rank()
+        model_cls, self.fd_config = build_fd_config(args, rank=rank)
+        model_config = self.fd_config.model_config
+        self.max_model_len = self.fd_config.scheduler_config.max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(args.tokenizer or model)
         self.generation_config = self._read_generation_config(model)
 
-        with paddle.no_grad():
-            self.model = model_cls(self.fd_config)
-            self.model.eval()
-            self.model.load_weights(iterate_checkpoint(model))
+        # A driver that starts its own ranks only schedules: its model copy is lazy (specs, the
+        # processor, and the divisibility checks run here, before any rank process starts).
+        self.model = build_model(model_cls, self.fd_config, load=tp == 1 or launched > 1)
+        if launched > 1 and rank != 0:
+            distributed.serve_launched_rank(self.fd_config, self.model)
+            raise SystemExit(0)
 
-        blocks_per_seq = math.ceil(max_model_len / block_size)
+        block_size, max_num_seqs = args.block_size, args.max_num_seqs
+        blocks_per_seq = math.ceil(self.max_model_len / block_size)
+        num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
             per_block = sum(2 * s.num_kv_heads * s.head_dim * 4 * block_size for s in self.model.kv_cache_spec())
             affordable = DEFAULT_KV_CACHE_BYTES // max(per_block, 1)
             num_kv_blocks = max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, affordable))
-        self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
-        state_slots = StateSlotAllocator(max_num_seqs) if self.runner.state_pool is not None else None
+        if tp == 1:
+            self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+        elif launched > 1:
+            self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+        else:
+            self.runner = distributed.DistributedRunner(args, num_kv_blocks, max_num_seqs)
+        has_state = self.model.state_cache_spec() is not None
+        state_slots = StateSlotAllocator(max_num_seqs) if has_state else None
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.fd_config.scheduler_config, self.block_manager, state_slots)
         self.vocab_size = model_config.vocab_size
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(args.seed)
         self._arrivals = 0
         self._requests: dict[str, Request] = {}
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
         self.eos_token_ids = sorted(eos)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel rank processes (no-op at tp == 1)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     @staticmethod
     def _read_generation_config(model_dir: str) -> dict:
@@ -189,6 +262,8 @@ class LLMEngine:
             return []
         try:
             logits = self.runner.execute(out.seqs)
+        except RankFailure:
+            raise  # a dead tensor-parallel rank ends the engine; callers must see it
         except Exception as e:  # a failed forward fails the step's sequences, not the engine
             logger.exception("model step failed")
             touched = [s.request for s in out.seqs]

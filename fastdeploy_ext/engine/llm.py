@@ -35,6 +35,16 @@ class LLM:
         self.tokenizer = self.llm_engine.tokenizer
         self._next_id = 0
 
+    def shutdown(self) -> None:
+        """Stop the rank processes of a tensor-parallel engine (also done at interpreter exit)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
     def _normalize(self, prompts) -> list[dict]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

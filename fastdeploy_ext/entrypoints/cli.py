@@ -1,4 +1,4 @@
-"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``."""
+"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``, ``serve``, ``plan``."""
 
 from __future__ import annotations
 
@@ -56,6 +56,77 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
+    """``--config`` plus one ``--kebab-case`` flag per deployment-config field; a given flag wins over the file."""
+    from fastdeploy_ext.entrypoints.deploy_config import _SCHEMA
+
+    p.add_argument("--config", help="YAML deployment config (configs/*.yaml)")
+    for name, (types, _, help_) in _SCHEMA.items():
+        flag = "--" + name.replace("_", "-")
+        if bool in types:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            kind = int if int in types and float not in types and str not in types else (
+                float if float in types and str not in types else str)
+            p.add_argument(flag, dest=name, type=kind, default=None, help=help_)
+
+
+def _deploy_config(args):
+    from fastdeploy_ext.entrypoints.deploy_config import FIELDS, load_config
+
+    if args.config is None and args.model is None:
+        raise SystemExit("error: give --config FILE or --model DIR")
+    return load_config(args.config, {k: getattr(args, k) for k in FIELDS})
+
+
+def _ensure_model(cfg) -> None:
+    """Demo configs name a tiny architecture: write its random checkpoint on first use."""
+    if cfg.tiny_arch and not os.path.exists(os.path.join(cfg.model, "config.json")):
+        from fastdeploy_ext.tiny import write_tiny
+
+        write_tiny(cfg.tiny_arch, cfg.model, seed=0)
+        print(f"wrote a tiny random {cfg.tiny_arch} checkpoint to {cfg.model}", file=sys.stderr)
+
+
+def _cmd_plan(args) -> int:
+    from fastdeploy_ext.entrypoints.planner import plan
+
+    cfg = _deploy_config(args)
+    _ensure_model(cfg)
+    result = plan(cfg, length=args.length)
+    if args.json:
+        import json
+
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(result.table())
+    return 0 if result.fits else 1
+
+
+def _cmd_serve(args) -> int:
+    import logging
+
+    from fastdeploy_ext.engine.engine import LLMEngine
+    from fastdeploy_ext.entrypoints.deploy_config import engine_args
+    from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server
+    from fastdeploy_ext.entrypoints.planner import plan
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = _deploy_config(args)
+    _ensure_model(cfg)
+    result = plan(cfg)
+    if not result.fits:
+        print(result.table(), file=sys.stderr)
+        print(f"error: {cfg.source}: this deployment does not fit: {result.reason}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(cfg.model, **engine_args(cfg))
+    server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
+                          api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path)
+    print(f"serving {cfg.model_name!r} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    run_server(server, cfg.host, cfg.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastdeploy-ext", description=__doc__.split(":")[0] + ": MiniMax-M1 and "
                                 "MiDashengLM on a FastDeploy-style Paddle engine.")
@@ -87,12 +158,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (configs/*.yaml; flags override the file)")
+    _add_deploy_flags(s)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_cmd_serve)
+
+    pl = sub.add_parser("plan", help="per-rank memory plan of a deployment config (exit 1 if it does not fit)")
+    _add_deploy_flags(pl)
+    pl.add_argument("--gpu-memory", dest="device_memory", help="memory per card, e.g. 80GiB (= --device-memory)")
+    pl.add_argument("--length", type=int, default=None, help="sequence length for the largest max_num_seqs "
+                    "(default: max_model_len)")
+    pl.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 
 def main(argv=None) -> int:
+    from fastdeploy_ext.config.base import ConfigError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

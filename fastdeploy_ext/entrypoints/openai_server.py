@@ -1,0 +1,671 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one :class:`LLMEngine`.
+
+The engine is single-threaded, so one :class:`EngineLoop` thread owns it: request handlers (asyncio, on
+uvicorn's event loop) hand it ``add``/``abort`` commands through a thread-safe queue, and it pushes
+per-step updates back into each request's ``asyncio.Queue`` with ``call_soon_threadsafe``. Nothing but
+that thread calls into the engine after start-up, except :meth:`LLMEngine.validate_prompt`, which reads
+only values fixed at construction.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlparse
+
+from fastdeploy_ext.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    sampling_params_of,
+)
+
+logger = logging.getLogger("fastdeploy_ext.server")
+
+# A non-streaming handler checks this often whether its client is still connected.
+_DISCONNECT_POLL_S = 0.25
+# tokens/s in /metrics is the generation rate over this trailing window.
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class Update:
+    """One engine step's news for one choice: the full text so far (a str snapshot), the tokens (and
+    their logprob dicts) generated since the previous update, and the finish reason once finished."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+    sent: int = 0  # output tokens already published
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for /metrics; a fresh object is swapped in after every engine iteration."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    tokens_per_second: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    finished_total: dict = field(default_factory=dict)
+
+
+class EngineLoop:
+    """Drives one engine from one thread and fans its outputs out to asyncio queues."""
+
+    def __init__(self, engine, max_pending_requests: int):
+        self.engine = engine
+        self.max_pending_requests = max_pending_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine request id -> sink (engine thread only)
+        self._groups: dict[str, list[str]] = {}  # submitted id -> engine ids of its n choices (engine thread only)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._rate: deque = deque()
+        self._prompt_tokens = 0
+        self._generated = 0
+        self._finished: dict[str, int] = {}
+        self.stats = EngineStats()
+        # Sequences accepted by handlers and not yet finished (event-loop thread only).
+        self.num_pending = 0
+        self.num_rejected = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, request_id: str, prompt: str | None, token_ids: list[int], params, multimodal_inputs,
+               sink_queue: asyncio.Queue, index_base: int) -> None:
+        """Queue a prompt; its ``params.n`` choices report to ``sink_queue`` as indices
+        ``index_base .. index_base + n - 1``. Called on the event loop."""
+        loop = asyncio.get_running_loop()
+        self._commands.put(("add", request_id, prompt, token_ids, params, multimodal_inputs, loop, sink_queue,
+                            index_base))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests():
+                    for req in engine.step():
+                        self._publish(req)
+            except Exception as e:  # keep serving: fail what was in flight, not the process
+                logger.exception("engine loop iteration failed")
+                self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
+            self._update_stats()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, ids, params, mm, loop, sink_queue, base = cmd
+            try:
+                reqs = self.engine.add_request(rid, prompt, ids, params, mm)
+            except Exception as e:
+                for k in range(params.n):
+                    _post(loop, sink_queue, Update(base + k, "", [], [], "error", f"{type(e).__name__}: {e}"))
+                return
+            self._prompt_tokens += len(ids)
+            self._groups[rid] = [r.request_id for r in reqs]
+            for k, r in enumerate(reqs):
+                self._sinks[r.request_id] = _Sink(loop, sink_queue, base + k)
+        elif cmd[0] == "abort":
+            for eid in self._groups.pop(cmd[1], []):
+                if self._sinks.pop(eid, None) is not None:
+                    self.engine.abort_request(eid)
+                    self._finished["abort"] = self._finished.get("abort", 0) + 1
+
+    def _publish(self, req) -> None:
+        sink = self._sinks.get(req.request_id)
+        if sink is None:
+            return
+        new_ids = req.output_token_ids[sink.sent:]
+        if not new_ids and not req.is_finished:
+            return  # a prefill chunk: nothing to say yet
+        lps = req.output_logprobs[sink.sent:] if req.params.logprobs is not None else []
+        sink.sent = len(req.output_token_ids)
+        self._generated += len(new_ids)
+        self._rate.append((time.monotonic(), len(new_ids)))
+        finish = req.finish_reason if req.is_finished else None
+        _post(sink.loop, sink.queue, Update(sink.index, req.output_text, list(new_ids), list(lps), finish,
+                                            req.error_msg))
+        if req.is_finished:
+            del self._sinks[req.request_id]
+            self._finished[finish] = self._finished.get(finish, 0) + 1
+
+    def _fail_all(self, message: str) -> None:
+        for eid, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(eid)
+            except Exception:
+                logger.exception("abort of %s failed", eid)
+            _post(sink.loop, sink.queue, Update(sink.index, "", [], [], "error", message))
+        self._sinks.clear()
+        self._groups.clear()
+
+    def _update_stats(self) -> None:
+        now = time.monotonic()
+        while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
+            self._rate.popleft()
+        engine = self.engine
+        slots = engine.scheduler.state_slots
+        self.stats = EngineStats(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_blocks_used=engine.block_manager.num_used,
+            kv_blocks_total=engine.block_manager.num_blocks,
+            state_slots_used=slots.num_used if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            tokens_per_second=sum(n for _, n in self._rate) / _RATE_WINDOW_S,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generated,
+            finished_total=dict(self._finished),
+        )
+
+
+def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, update: Update) -> None:
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, update)
+    except RuntimeError:  # the event loop is closed: the server is shutting down
+        pass
+
+
+def stop_safe_length(text: str, stops: list[str]) -> int:
+    """Length of the prefix of ``text`` that can be streamed: the longest suffix that is a proper
+    prefix of a stop string is held back until later text decides whether the stop string completes."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return len(text) - hold
+
+
+def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected: int) -> str:
+    label = f'model_name="{model_name}"'
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, value, extra: str = "") -> None:
+        if not any(line.startswith(f"# HELP {name} ") for line in lines):
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+        labels = label + ("," + extra if extra else "")
+        lines.append(f"{name}{{{labels}}} {value}")
+
+    metric("fastdeploy_ext_num_requests_running", "gauge", "Sequences in the running batch.", stats.running)
+    metric("fastdeploy_ext_num_requests_waiting", "gauge", "Sequences queued in the scheduler.", stats.waiting)
+    metric("fastdeploy_ext_num_requests_pending", "gauge", "Sequences accepted by the server and not finished.", pending)
+    metric("fastdeploy_ext_kv_cache_blocks_used", "gauge", "KV-cache pages in use.", stats.kv_blocks_used)
+    metric("fastdeploy_ext_kv_cache_blocks_total", "gauge", "KV-cache pages in the pool.", stats.kv_blocks_total)
+    metric("fastdeploy_ext_state_slots_used", "gauge", "Recurrent-state slots in use (hybrid models).",
+           stats.state_slots_used)
+    metric("fastdeploy_ext_state_slots_total", "gauge", "Recurrent-state slots in the pool.", stats.state_slots_total)
+    metric("fastdeploy_ext_generation_tokens_per_second", "gauge",
+           f"Generated tokens per second over the last {_RATE_WINDOW_S:g} s.", f"{stats.tokens_per_second:.3f}")
+    metric("fastdeploy_ext_prompt_tokens_total", "counter", "Prompt tokens admitted.", stats.prompt_tokens_total)
+    metric("fastdeploy_ext_generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total)
+    for reason, count in sorted(stats.finished_total.items()):
+        metric("fastdeploy_ext_requests_finished_total", "counter", "Finished sequences by finish reason.", count,
+               f'finish_reason="{reason}"')
+    metric("fastdeploy_ext_requests_rejected_total", "counter", "Requests refused because the server was overloaded.",
+           rejected)
+    return "\n".join(lines) + "\n"
+
+
+class OpenAIServer:
+    """Request handling for one served model. ``engine`` is built by the caller (``serve``)."""
+
+    def __init__(self, engine, served_model_name: str, model_path: str, max_pending_requests: int = 256,
+                 api_key: str | None = None, allowed_local_media_path: str | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.model_path = model_path
+        self.api_key = api_key
+        self.media_root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+        self.loop = EngineLoop(engine, max_pending_requests)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # ---- request → engine inputs
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(400, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model")
+
+    def _validate(self, ids: list[int], params, where: str) -> None:
+        try:
+            self.engine.validate_prompt(ids, params, where=where)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages" if where == "messages" else "prompt") from None
+        limit = self.engine.max_model_len
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                                f"{len(ids) + params.max_tokens} ({len(ids)} in the {where}, {params.max_tokens} "
+                                "to generate)", param="max_tokens")
+
+    def _admit(self, num_seqs: int) -> None:
+        if not self.loop.alive:
+            raise APIError(503, "the engine is not running", "service_unavailable")
+        if self.loop.num_pending + num_seqs > self.loop.max_pending_requests:
+            self.loop.num_rejected += 1
+            raise APIError(429, f"server overloaded: {self.loop.num_pending} sequences pending (limit "
+                                f"{self.loop.max_pending_requests}); retry later", "rate_limit_exceeded")
+        self.loop.num_pending += num_seqs
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items = [p]
+        elif p and isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        return [(x, self.tokenizer.encode(x, add_special_tokens=True)) if isinstance(x, str) else (None, list(x))
+                for x in items]
+
+    def _audio_source(self, part, where: str):
+        """Encoded bytes or a vetted local path for one audio part; decoding is the model processor's job."""
+        if part.type == "input_audio":
+            data = part.input_audio.data
+        else:
+            url = part.audio_url.url
+            parsed = urlparse(url)
+            if parsed.scheme == "file":
+                if self.media_root is None:
+                    raise APIError(400, f"{where}: file:// audio needs the server's --allowed-local-media-path",
+                                   param=where)
+                path = os.path.realpath(unquote(parsed.path))
+                if os.path.commonpath([path, self.media_root]) != self.media_root:
+                    raise APIError(400, f"{where}: {path} is outside the allowed media path", param=where)
+                if not os.path.isfile(path):
+                    raise APIError(400, f"{where}: no such file {path}", param=where)
+                return path
+            if parsed.scheme != "data":
+                raise APIError(400, f"{where}: only data: and file:// audio URLs are supported (no network fetches)",
+                               param=where)
+            header, _, data = url.partition(",")
+            if not header.endswith(";base64"):
+                raise APIError(400, f"{where}: a data: audio URL must be base64 (data:<mime>;base64,...)", param=where)
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise APIError(400, f"{where}: audio data is not valid base64 ({e})", param=where) from None
+
+    def _chat_prompt(self, req: ChatCompletionRequest):
+        """Render the chat template (it turns audio parts into the model's placeholders) and run the model's
+        multimodal processor, which decodes the audio and expands the placeholders.
+        Returns ``(text, ids, multimodal_inputs)``."""
+        processor = getattr(self.engine.model, "multimodal_processor", None)
+        messages, audios = [], []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.type == "text":
+                        continue
+                    where = f"messages.{i}.content.{j}"
+                    if processor is None:
+                        raise APIError(400, f"{where}: the model '{self.model_name}' does not take audio input",
+                                       param=where)
+                    audios.append(self._audio_source(part, where))
+                content = [part.model_dump() for part in content]
+            messages.append(m.model_dump(exclude_none=True) | {"content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      tokenize=False, **(req.chat_template_kwargs or {}))
+        except Exception as e:
+            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if processor is None:
+            return text, ids, None
+        try:
+            return processor(self.tokenizer, text, ids, {"audio": audios} if audios else None)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"audio input: {e}", param="messages") from None
+
+    # ---- engine outputs → OpenAI responses
+
+    def _token_str(self, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def _completion_logprobs(self, token_ids: list[int], lps: list[dict], k: int, offset: int) -> dict:
+        tokens = [self._token_str(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [d[t] for d, t in zip(lps, token_ids)],
+                "top_logprobs": [{self._token_str(i): v for i, v in _top(d, k)} for d in lps],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
+        def entry(t, v):
+            s = self._token_str(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(i, v) for i, v in _top(d, k)]}
+                            for d, t in zip(lps, token_ids)]}
+
+    async def _updates(self, http_request, q: asyncio.Queue, poll: bool):
+        """Yield updates until the caller stops; with ``poll``, raise on client disconnect."""
+        while True:
+            if not poll:
+                yield await q.get()
+                continue
+            try:
+                yield await asyncio.wait_for(q.get(), timeout=_DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http_request.is_disconnected():
+                    raise ConnectionAbortedError("client disconnected")
+
+    async def run(self, http_request, kind: str, body: bytes):
+        """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+        if kind == "completion":
+            req = parse_request(CompletionRequest, body)
+            self._check_model(req.model)
+            if req.echo:
+                raise APIError(400, "'echo' is not supported", param="echo")
+            if req.suffix:
+                raise APIError(400, "'suffix' is not supported", param="suffix")
+            if req.best_of is not None and req.best_of != req.n:
+                raise APIError(400, "'best_of' must equal 'n' (no server-side ranking)", param="best_of")
+            max_tokens = req.max_tokens if req.max_tokens is not None else 16
+            k = req.logprobs
+            prompts = [(text, ids, None) for text, ids in self._completion_prompts(req)]
+            where = "prompt"
+        else:
+            req = parse_request(ChatCompletionRequest, body)
+            self._check_model(req.model)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            if req.top_logprobs is not None and not req.logprobs:
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            k = (req.top_logprobs or 0) if req.logprobs else None
+            prompts = [await asyncio.to_thread(self._chat_prompt, req)]
+            where = "messages"
+        params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
+        for text, ids, _ in prompts:
+            self._validate(ids, params, where)
+
+        n = params.n
+        num_choices = n * len(prompts)
+        self._admit(num_choices)
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        q: asyncio.Queue = asyncio.Queue()
+        for i, (text, ids, mm) in enumerate(prompts):
+            self.loop.submit(f"{rid}-{i}", text, ids, params, mm, q, i * n)
+        sub_ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts))
+        args = (http_request, q, rid, kind, k, state)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self._stream(*args, include_usage=include_usage, sub_ids=sub_ids)
+            # Enter the generator's try/finally now: if the client leaves before the body is iterated,
+            # finalizing the suspended generator still aborts the request.
+            first = await gen.__anext__()
+            return StreamingResponse(_prepend(first, gen), media_type="text/event-stream")
+        try:
+            async for upd in self._updates(http_request, q, poll=True):
+                state.absorb(upd)
+                if state.done:
+                    break
+        except ConnectionAbortedError:
+            return Response(status_code=499)  # nobody is listening; the request was aborted
+        finally:
+            self._release(state, sub_ids)
+        errors = [e for e in state.errors if e]
+        if errors:
+            raise APIError(500, f"generation failed: {errors[0]}", "internal_server_error")
+        return JSONResponse(self._full_response(rid, kind, k, state))
+
+    def _release(self, state: "_ChoiceState", sub_ids: list[str]) -> None:
+        if not state.done:
+            for sid in sub_ids:
+                self.loop.abort(sid)
+        self.loop.num_pending -= state.num_choices
+
+    def _full_response(self, rid: str, kind: str, k, state: "_ChoiceState") -> dict:
+        choices = []
+        for i in range(state.num_choices):
+            ids, lps, text, reason = state.tokens[i], state.lps[i], state.texts[i], state.reasons[i]
+            if kind == "completion":
+                lp = self._completion_logprobs(ids, lps, k, 0) if k is not None else None
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+            else:
+                lp = self._chat_logprobs(ids, lps, k) if k is not None else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": reason})
+        return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": state.usage()}
+
+    async def _stream(self, http_request, q, rid, kind, k, state: "_ChoiceState", include_usage: bool,
+                      sub_ids: list[str]):
+        obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        created = int(time.time())
+
+        def event(choices, usage=None) -> str:
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if include_usage:
+                chunk["usage"] = usage
+            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(state.num_choices)])
+            # Starlette cancels this generator when the client disconnects; `finally` aborts the request.
+            async for upd in self._updates(http_request, q, poll=False):
+                i = upd.index
+                start_tok = len(state.tokens[i])
+                offset = len(state.texts[i])
+                delta = state.absorb(upd)
+                if upd.error:
+                    err = APIError(500, f"generation failed: {upd.error}", "internal_server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    break
+                new_ids = state.tokens[i][start_tok:]
+                lp = None
+                if k is not None and new_ids:
+                    lps = state.lps[i][start_tok:]
+                    lp = (self._completion_logprobs(new_ids, lps, k, offset) if kind == "completion"
+                          else self._chat_logprobs(new_ids, lps, k))
+                if not delta and lp is None and upd.finish_reason is None:
+                    continue
+                if kind == "completion":
+                    choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": upd.finish_reason}
+                else:
+                    choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": upd.finish_reason}
+                yield event([choice])
+                if state.done:
+                    break
+            if include_usage and state.done:
+                yield event([], state.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(state, sub_ids)
+
+    # ---- app
+
+    def build_app(self):
+        from contextlib import asynccontextmanager
+
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, PlainTextResponse
+
+        @asynccontextmanager
+        async def lifespan(app):
+            self.loop.start()
+            try:
+                yield
+            finally:
+                self.loop.stop()
+
+        app = FastAPI(title="fastdeploy_ext OpenAI-compatible server", lifespan=lifespan)
+
+        @app.exception_handler(APIError)
+        async def api_error(request: Request, exc: APIError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(Exception)
+        async def internal_error(request: Request, exc: Exception):
+            logger.exception("unhandled error in %s", request.url.path)
+            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+            return JSONResponse(err.body(), status_code=500)
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if self.api_key is not None and request.url.path.startswith("/v1/"):
+                if request.headers.get("authorization") != f"Bearer {self.api_key}":
+                    err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                   "authentication_error")
+                    return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health():
+            if not self.loop.alive:
+                return JSONResponse({"status": "engine not running"}, status_code=503)
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(prometheus_text(self.loop.stats, self.model_name, self.loop.num_pending,
+                                                     self.loop.num_rejected),
+                                     media_type="text/plain; version=0.0.4")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "fastdeploy_ext", "root": self.model_path,
+                                                "max_model_len": self.engine.max_model_len}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.run(request, "completion", await request.body())
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.run(request, "chat", await request.body())
+
+        return app
+
+
+async def _prepend(first: str, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` best entries of an engine logprob dict (it holds the top k plus the sampled token)."""
+    return sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+class _ChoiceState:
+    """Per-choice accumulation for one HTTP request; :meth:`absorb` returns the streamable text delta."""
+
+    def __init__(self, num_choices: int, stops: list[str], prompt_tokens: int):
+        self.num_choices = num_choices
+        self.stops = stops
+        self.prompt_tokens = prompt_tokens
+        self.tokens = [[] for _ in range(num_choices)]
+        self.lps = [[] for _ in range(num_choices)]
+        self.texts = [""] * num_choices  # text already released to the client
+        self.reasons: list[str | None] = [None] * num_choices
+        self.errors: list[str | None] = [None] * num_choices
+        self.num_finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == self.num_choices
+
+    def absorb(self, upd: Update) -> str:
+        i = upd.index
+        self.tokens[i].extend(upd.token_ids)
+        self.lps[i].extend(upd.logprobs)
+        if upd.finish_reason is not None:
+            self.reasons[i] = upd.finish_reason
+            self.errors[i] = upd.error
+            self.num_finished += 1
+            end = len(upd.text)
+        else:
+            end = stop_safe_length(upd.text, self.stops)
+        sent = len(self.texts[i])
+        if end <= sent:
+            return ""
+        delta = upd.text[sent:end]
+        self.texts[i] += delta
+        return delta
+
+    def usage(self) -> dict:
+        completion = sum(len(t) for t in self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+def run_server(server: OpenAIServer, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until interrupted (uvicorn owns the event loop and signal handling)."""
+    import uvicorn
+
+    uvicorn.run(server.build_app(), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,417 @@
+"""Per-rank memory plan of a deployment: weights, KV cache, recurrent-state pool, activation peak.
+
+Weights are counted tensor by tensor, each with its tensor-parallel split (specs/minimax_m1.md §8) and
+its on-device dtype (§6: router and MiniMax lm_head fp32; weight-only int8/int4 for linear and expert
+weights, never embeddings, norms, routers, lm_head or the audio encoder). Shapes come from, in order of
+preference: the safetensors headers; the checkpoint index's names with shapes derived from config.json
+(the derivation must reproduce the index's names and ``metadata.total_size`` exactly, or planning
+fails); config.json alone.
+
+KV cache is counted for softmax-attention layers only (10 of MiniMax-M1's 80) and the state pool is fp32,
+``[n_linear_layers, heads/tp, head_dim, head_dim]`` per sequence. The activation peak is an estimate of
+one ``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, fp32 lightning
+intermediates, gathered fp32 logits), not a measurement.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass, field
+
+from fastdeploy_ext.config.base import ConfigError, divide, read_json
+from fastdeploy_ext.entrypoints.deploy_config import DeployConfig
+
+GiB = 2**30
+MiB = 2**20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_QUANT_BYTES = {"wint8": 1.0, "wint4": 0.5}
+# Per-output-channel scale of weight-only quantization, stored in the compute dtype.
+_SCALE_BYTES = 2
+
+
+@dataclass
+class Tensor:
+    """One weight on one rank: ``kind`` decides dtype and quantization (linear | embed | lm_head | norm |
+    router | encoder | bias)."""
+
+    name: str
+    shape: tuple
+    split: int | None  # dim split across ranks, None = replicated
+    kind: str
+    kv_heads: int = 0  # k/v projections: number of KV heads (replicated when fewer than ranks)
+
+
+@dataclass
+class ModelShape:
+    """What the planner needs from a model: its tensors and cache geometry."""
+
+    arch: str
+    tensors: list[Tensor]
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_full_layers: int
+    num_linear_layers: int = 0
+    linear_heads: int = 0
+    linear_head_dim: int = 0
+    widest_local: list = field(default_factory=list)  # callables tp -> per-token width of intermediates
+    fp32_local: list = field(default_factory=list)  # callables tp -> per-token fp32 intermediates
+    lm_head_fp32: bool = False
+    max_position_embeddings: int = 0
+    source: str = ""
+
+
+def _qwen2_tensors(cfg, prefix: str, head: str | None) -> list[Tensor]:
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    t = [Tensor(f"{prefix}.embed_tokens.weight", (v, h), 0, "embed"), Tensor(f"{prefix}.norm.weight", (h,), None, "norm")]
+    if head:
+        t.append(Tensor(head, (v, h), 0, "lm_head"))
+    for i in range(cfg.num_hidden_layers):
+        p = f"{prefix}.layers.{i}"
+        t += [Tensor(f"{p}.input_layernorm.weight", (h,), None, "norm"),
+              Tensor(f"{p}.post_attention_layernorm.weight", (h,), None, "norm"),
+              Tensor(f"{p}.self_attn.q_proj.weight", (q, h), 0, "linear"),
+              Tensor(f"{p}.self_attn.q_proj.bias", (q,), 0, "bias"),
+              Tensor(f"{p}.self_attn.o_proj.weight", (h, q), 1, "linear"),
+              Tensor(f"{p}.mlp.gate_proj.weight", (inter, h), 0, "linear"),
+              Tensor(f"{p}.mlp.up_proj.weight", (inter, h), 0, "linear"),
+              Tensor(f"{p}.mlp.down_proj.weight", (h, inter), 1, "linear")]
+        for n in ("k", "v"):
+            t += [Tensor(f"{p}.self_attn.{n}_proj.weight", (kv, h), 0, "linear", cfg.num_key_value_heads),
+                  Tensor(f"{p}.self_attn.{n}_proj.bias", (kv,), 0, "bias", cfg.num_key_value_heads)]
+    return t
+
+
+def _qwen2_shape(raw: dict) -> ModelShape:
+    from fastdeploy_ext.config.qwen2 import Qwen2Config
+
+    cfg = Qwen2Config.from_hf_config(raw)
+    head = None if cfg.tie_word_embeddings else "lm_head.weight"
+    return ModelShape(
+        arch="Qwen2ForCausalLM", tensors=_qwen2_tensors(cfg, "model", head), hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size, num_attention_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, num_full_layers=cfg.num_hidden_layers,
+        widest_local=[lambda tp, c=cfg: 2 * c.intermediate_size // tp,
+                      lambda tp, c=cfg: (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim // tp],
+        max_position_embeddings=cfg.max_position_embeddings)
+
+
+def _minimax_shape(raw: dict) -> ModelShape:
+    from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
+
+    cfg = MiniMaxM1Config.from_hf_config(raw)
+    h, v, d, heads, kvh = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, inter, e = heads * d, cfg.intermediate_size, cfg.num_local_experts
+    t = [Tensor("model.embed_tokens.weight", (v, h), 0, "embed"), Tensor("model.norm.weight", (h,), None, "norm"),
+         Tensor("lm_head.weight", (v, h), 0, "lm_head")]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        t += [Tensor(f"{p}.input_layernorm.weight", (h,), None, "norm"),
+              Tensor(f"{p}.post_attention_layernorm.weight", (h,), None, "norm"),
+              Tensor(f"{p}.block_sparse_moe.gate.weight", (e, h), None, "router")]
+        for x in range(e):
+            ep = f"{p}.block_sparse_moe.experts.{x}"
+            t += [Tensor(f"{ep}.w1.weight", (inter, h), 0, "linear"), Tensor(f"{ep}.w3.weight", (inter, h), 0, "linear"),
+                  Tensor(f"{ep}.w2.weight", (h, inter), 1, "linear")]
+        if kind == LINEAR:
+            # qkv rows are head-major ([q;k;v] per head), so a contiguous row split gives whole heads.
+            t += [Tensor(f"{p}.self_attn.qkv_proj.weight", (3 * hd, h), 0, "linear"),
+                  Tensor(f"{p}.self_attn.output_gate.weight", (hd, h), 0, "linear"),
+                  Tensor(f"{p}.self_attn.out_proj.weight", (h, hd), 1, "linear"),
+                  Tensor(f"{p}.self_attn.norm.weight", (hd,), 0, "norm")]
+        else:
+            t += [Tensor(f"{p}.self_attn.q_proj.weight", (hd, h), 0, "linear"),
+                  Tensor(f"{p}.self_attn.k_proj.weight", (kvh * d, h), 0, "linear", kvh),
+                  Tensor(f"{p}.self_attn.v_proj.weight", (kvh * d, h), 0, "linear", kvh),
+                  Tensor(f"{p}.self_attn.o_proj.weight", (h, hd), 1, "linear")]
+    top_k = cfg.num_experts_per_tok
+    return ModelShape(
+        arch=cfg.architectures[0], tensors=t, hidden_size=h, vocab_size=v, num_attention_heads=heads,
+        num_kv_heads=kvh, head_dim=d, num_full_layers=len(cfg.full_attention_layers),
+        num_linear_layers=len(cfg.linear_attention_layers), linear_heads=heads, linear_head_dim=d,
+        # MoE: gate+up rows of every routed copy; lightning: qkv + output gate.
+        widest_local=[lambda tp: top_k * 2 * inter // tp, lambda tp: 4 * hd // tp],
+        # Lightning q, k, v, output in fp32, plus one 256-token block's per-head KV state per block.
+        fp32_local=[lambda tp: 4 * hd // tp + (hd // tp) * d // cfg.block_size],
+        lm_head_fp32=True, max_position_embeddings=cfg.max_position_embeddings)
+
+
+def _midashenglm_shape(raw: dict) -> ModelShape:
+    from fastdeploy_ext.config.midashenglm import MiDashengLMConfig
+    from fastdeploy_ext.config.qwen2 import Qwen2Config
+
+    cfg = MiDashengLMConfig.from_hf_config(raw)
+    text = Qwen2Config.from_hf_config(cfg.text_config, where="config.json: text_config")
+    enc = cfg.audio_encoder_config
+    c, m = enc.embed_dim, enc.mlp_hidden_dim
+    t = _qwen2_tensors(text, "decoder.model", None if text.tie_word_embeddings else "decoder.lm_head.weight")
+    # The 630 M-parameter encoder is replicated on every rank (specs/midashenglm.md §7: simpler than its TP).
+    t += [Tensor("audio_encoder.patch_embed.proj.weight", (c, 1, *enc.patch_size), None, "encoder"),
+          Tensor("audio_encoder.patch_embed.proj.bias", (c,), None, "encoder"),
+          Tensor("audio_encoder.time_pos_embed", (1, c, 1, enc.chunk_patches), None, "encoder"),
+          Tensor("audio_encoder.freq_pos_embed", (1, c, 1, 1), None, "encoder"),
+          Tensor("audio_encoder.norm.weight", (c,), None, "encoder"), Tensor("audio_encoder.norm.bias", (c,), None, "encoder")]
+    t += [Tensor(f"audio_encoder.init_bn.{n}", (enc.n_mels,), None, "encoder")
+          for n in ("weight", "bias", "running_mean", "running_var")]
+    for i in range(enc.depth):
+        p = f"audio_encoder.blocks.{i}"
+        for name, shape in ((f"{p}.norm1.weight", (c,)), (f"{p}.norm1.bias", (c,)), (f"{p}.norm2.weight", (c,)),
+                            (f"{p}.norm2.bias", (c,)), (f"{p}.attn.qkv.weight", (3 * c, c)),
+                            (f"{p}.attn.qkv.bias", (3 * c,)), (f"{p}.attn.proj.weight", (c, c)),
+                            (f"{p}.attn.proj.bias", (c,)), (f"{p}.mlp.fc1.weight", (m, c)), (f"{p}.mlp.fc1.bias", (m,)),
+                            (f"{p}.mlp.fc2.weight", (c, m)), (f"{p}.mlp.fc2.bias", (c,))):
+            t.append(Tensor(name, shape, None, "encoder"))
+    th = text.hidden_size
+    t += [Tensor("audio_projector.net.0.weight", (th, cfg.projector_input_dim), None, "encoder"),
+          Tensor("audio_projector.net.0.bias", (th,), None, "encoder"),
+          Tensor("audio_projector.net.2.weight", (th, th), None, "encoder"),
+          Tensor("audio_projector.net.2.bias", (th,), None, "encoder")]
+    shape = _qwen2_shape({**cfg.text_config, "architectures": ["Qwen2ForCausalLM"]})
+    shape.arch, shape.tensors = cfg.architectures[0], t
+    return shape
+
+
+_SHAPES = {
+    "Qwen2ForCausalLM": _qwen2_shape,
+    "MiniMaxM1ForCausalLM": _minimax_shape,
+    "MiniMaxText01ForCausalLM": _minimax_shape,
+    "MiniMaxForCausalLM": _minimax_shape,
+    "MiDashengLMModel": _midashenglm_shape,
+}
+
+
+def _checkpoint_shapes(model_dir: str) -> dict[str, tuple] | None:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in files:
+        with safe_open(path, framework="numpy") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def model_shape(model_dir: str) -> ModelShape:
+    """The model's tensors with verified shapes (see the module docstring for the sources)."""
+    raw = read_json(os.path.join(model_dir, "config.json"), "config.json")
+    archs = raw.get("architectures") or ["?"]
+    if archs[0] not in _SHAPES:
+        raise ConfigError(f"{model_dir}/config.json: the planner does not know architecture {archs[0]!r}; "
+                          f"known: {', '.join(sorted(_SHAPES))}")
+    shape = _SHAPES[archs[0]](raw)
+    expected = {t.name: t.shape for t in shape.tensors}
+    on_disk = _checkpoint_shapes(model_dir)
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    ignorable = ("rotary_emb.inv_freq", "num_batches_tracked", "slope_rate", "query_decay", "key_decay",
+                 "diagonal_decay", "spectrogram.window", "mel_scale.fb")
+    if on_disk is not None:
+        extra = sorted(n for n in set(on_disk) - set(expected) if not n.endswith(ignorable))
+        missing = sorted(set(expected) - set(on_disk))
+        wrong = sorted(n for n in expected if n in on_disk and tuple(on_disk[n]) != tuple(expected[n]))
+        if extra or missing or wrong:
+            raise ConfigError(f"{model_dir}: checkpoint does not match config.json's shapes (extra {extra[:3]}, "
+                              f"missing {missing[:3]}, wrong shape {wrong[:3]})")
+        shape.source = f"safetensors headers ({len(on_disk)} tensors)"
+    elif os.path.exists(index_path):
+        index = read_json(index_path, "model.safetensors.index.json")
+        names = set(index.get("weight_map", {}))
+        extra = sorted(n for n in names - set(expected) if not n.endswith(ignorable))
+        missing = sorted(set(expected) - names)
+        if extra or missing:
+            raise ConfigError(f"{index_path}: tensor names differ from those derived from config.json "
+                              f"(extra {extra[:3]}, missing {missing[:3]})")
+        total = index.get("metadata", {}).get("total_size")
+        derived = sum(math.prod(t.shape) for t in shape.tensors)
+        bytes_per = _DTYPE_BYTES.get(str(raw.get("torch_dtype") or raw.get("dtype")), None)
+        if total is not None and bytes_per is not None and derived * bytes_per != total:
+            raise ConfigError(f"{index_path}: metadata.total_size {total} != {derived} parameters x {bytes_per} bytes "
+                              "derived from config.json")
+        shape.source = (f"index names ({len(names)} tensors) + config.json shapes, total_size {total:,} bytes "
+                        "reproduced" if total is not None else f"index names ({len(names)}) + config.json shapes")
+    else:
+        shape.source = f"config.json shapes ({len(shape.tensors)} tensors; no checkpoint here)"
+    return shape
+
+
+def _local_numel(t: Tensor, tp: int) -> int:
+    numel = math.prod(t.shape)
+    if t.split is None or tp == 1:
+        return numel
+    if t.kv_heads and t.kv_heads < tp:
+        # Fewer KV heads than ranks: each rank holds one whole replicated head.
+        return numel // t.kv_heads
+    divide(t.shape[t.split], tp, f"{t.name} dim {t.split} across tensor_parallel_size")
+    return numel // tp
+
+
+@dataclass
+class Plan:
+    """Per-rank bytes and the verdict. ``per_seq_*`` are for one sequence of ``length`` tokens."""
+
+    cfg: DeployConfig
+    shape: ModelShape
+    weights: int
+    weight_breakdown: dict
+    kv_bytes_per_token: int
+    kv_bytes_per_token_tp1: int
+    state_bytes_per_seq: int
+    state_pool: int
+    activation: int
+    kv_pool: int
+    budget: int
+    length: int
+    max_seqs_at_length: int
+    fits: bool
+    reason: str = ""
+
+    def table(self) -> str:
+        c, s = self.cfg, self.shape
+        lines = [
+            f"model          {s.arch} ({s.source})",
+            f"deployment     tp={c.tensor_parallel_size} dtype={_compute_dtype(c)} quantization={c.quantization} "
+            f"device={c.device} memory/rank={_fmt(c.memory_per_device)} x utilization {c.gpu_memory_utilization}",
+            f"budget/rank    {_fmt(self.budget)}",
+            f"weights/rank   {_fmt(self.weights)}  (" + ", ".join(f"{k} {_fmt(v)}" for k, v in self.weight_breakdown.items()
+                                                        if v) + ")",
+            f"KV cache       {s.num_full_layers} softmax-attention layers: {_fmt(self.kv_bytes_per_token_tp1)}/token at tp=1, "
+            f"{_fmt(self.kv_bytes_per_token)}/token/rank",
+        ]
+        if s.num_linear_layers:
+            lines.append(f"state pool     {s.num_linear_layers} linear-attention layers, fp32: "
+                         f"{_fmt(self.state_bytes_per_seq)}/sequence/rank; {c.max_num_seqs} slots = {_fmt(self.state_pool)}")
+        lines += [
+            f"activation     ~{_fmt(self.activation)} peak (estimate, one step of "
+            f"{_batched_tokens(c)} tokens)",
+            f"KV pool/rank   {_fmt(self.kv_pool)} = {self.kv_pool // max(self.kv_bytes_per_token, 1):,} tokens",
+            f"at length {self.length:,}: {_fmt(self.length * self.kv_bytes_per_token + self.state_bytes_per_seq)}"
+            f"/sequence/rank -> largest max_num_seqs = {self.max_seqs_at_length} (config: {c.max_num_seqs})",
+            "verdict        " + ("fits" if self.fits else f"DOES NOT FIT: {self.reason}"),
+        ]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("weights", "weight_breakdown", "kv_bytes_per_token",
+                                              "kv_bytes_per_token_tp1", "state_bytes_per_seq", "state_pool",
+                                              "activation", "kv_pool", "budget", "length", "max_seqs_at_length",
+                                              "fits", "reason")}
+
+
+def _fmt(n: float) -> str:
+    n = float(n)
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB ({n / 1e9:.1f} GB)"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def _compute_dtype(cfg: DeployConfig) -> str:
+    if cfg.device == "cpu":
+        return "float32"  # Paddle on CPU computes in float32 whatever the checkpoint holds
+    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+
+
+def _batched_tokens(cfg: DeployConfig, max_model_len: int | None = None) -> int:
+    if cfg.max_num_batched_tokens is not None:
+        return cfg.max_num_batched_tokens
+    return 2048 if cfg.enable_chunked_prefill else (max_model_len or cfg.max_model_len or 2048)
+
+
+def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
+    """Plan ``cfg`` per rank; ``length`` (default ``max_model_len``) sets the per-sequence size."""
+    shape = model_shape(cfg.info_dir)
+    tp = cfg.tensor_parallel_size
+    where = f"{cfg.source}: tensor_parallel_size {tp}"
+    divide(shape.num_attention_heads, tp, f"{where}: num_attention_heads")
+    if shape.num_kv_heads >= tp:
+        divide(shape.num_kv_heads, tp, f"{where}: num_key_value_heads")
+    else:
+        divide(tp, shape.num_kv_heads, f"{where}: ranks per replicated KV head")
+    divide(shape.vocab_size, tp, f"{where}: vocab_size")
+
+    dtype = _compute_dtype(cfg)
+    act_bytes = _DTYPE_BYTES[dtype]
+    quant = cfg.quantization
+    if quant is not None and cfg.device == "cpu":
+        raise ConfigError(f"{cfg.source}: quantization {quant!r} needs device 'gpu' (weight-only kernels)")
+    breakdown = {"quantized linear": 0, "linear": 0, "embed+lm_head": 0, "router (fp32)": 0, "norms+biases": 0,
+                 "audio encoder": 0}
+    for t in shape.tensors:
+        n = _local_numel(t, tp)
+        if t.kind == "linear" and quant is not None:
+            rows = n // t.shape[1] if t.split == 0 or t.split is None else t.shape[0]
+            breakdown["quantized linear"] += int(n * _QUANT_BYTES[quant]) + rows * _SCALE_BYTES
+        elif t.kind == "linear":
+            breakdown["linear"] += n * act_bytes
+        elif t.kind == "embed":
+            breakdown["embed+lm_head"] += n * act_bytes
+        elif t.kind == "lm_head":
+            breakdown["embed+lm_head"] += n * (4 if shape.lm_head_fp32 else act_bytes)
+        elif t.kind == "router":
+            breakdown["router (fp32)"] += n * 4
+        elif t.kind == "encoder":
+            breakdown["audio encoder"] += n * act_bytes
+        else:
+            breakdown["norms+biases"] += n * act_bytes
+    weights = sum(breakdown.values())
+
+    kv_dtype_bytes = act_bytes
+    kv_tp1 = shape.num_full_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
+    kv_heads_local = max(shape.num_kv_heads // tp, 1)
+    kv_per_token = shape.num_full_layers * 2 * kv_heads_local * shape.head_dim * kv_dtype_bytes
+    state_per_seq = shape.num_linear_layers * (shape.linear_heads // tp) * shape.linear_head_dim ** 2 * 4
+    state_pool = state_per_seq * cfg.max_num_seqs
+
+    max_model_len = cfg.max_model_len or min(shape.max_position_embeddings, 32768)
+    if max_model_len > shape.max_position_embeddings:
+        raise ConfigError(f"{cfg.source}: field 'max_model_len' {max_model_len} exceeds the model's "
+                          f"max_position_embeddings {shape.max_position_embeddings}")
+    length = length or max_model_len
+    tokens = _batched_tokens(cfg, max_model_len)
+    widest = max([w(tp) for w in shape.widest_local] or [0])
+    fp32 = sum(w(tp) for w in shape.fp32_local)
+    logits_rows = min(cfg.max_num_seqs, tokens)
+    activation = tokens * (2 * shape.hidden_size + widest) * act_bytes + tokens * fp32 * 4 \
+        + logits_rows * shape.vocab_size * 4
+
+    budget = int(cfg.memory_per_device * cfg.gpu_memory_utilization)
+    block_bytes = kv_per_token * cfg.block_size
+    blocks_per_seq = math.ceil(max_model_len / cfg.block_size)
+    if cfg.num_kv_blocks is not None:
+        kv_pool = cfg.num_kv_blocks * block_bytes
+    elif cfg.device == "cpu":
+        from fastdeploy_ext.engine.engine import DEFAULT_KV_CACHE_BYTES
+
+        # The CPU engine's own sizing rule (LLMEngine): every sequence at full length, capped by a byte budget.
+        kv_pool = max(blocks_per_seq, min(cfg.max_num_seqs * blocks_per_seq,
+                                          DEFAULT_KV_CACHE_BYTES // max(block_bytes, 1))) * block_bytes
+    else:
+        # GPU engines give the KV pool whatever the budget leaves (FastDeploy's gpu_memory_utilization rule).
+        kv_pool = max(budget - weights - state_pool - activation, 0) // max(block_bytes, 1) * block_bytes
+
+    per_seq = math.ceil(length / cfg.block_size) * block_bytes + state_per_seq
+    free_for_seqs = budget - weights - activation
+    max_seqs = max(int(free_for_seqs // per_seq), 0) if per_seq else 0
+    need = weights + state_pool + activation + (kv_pool if cfg.device == "cpu" or cfg.num_kv_blocks else 0)
+    one_seq = blocks_per_seq * block_bytes
+    fits, reason = True, ""
+    if need > budget:
+        fits, reason = False, (f"weights {_fmt(weights)} + state pool {_fmt(state_pool)} + activation "
+                               f"{_fmt(activation)}" + (f" + KV pool {_fmt(kv_pool)}" if need > weights + state_pool
+                                                        + activation else "") + f" > budget {_fmt(budget)}")
+    elif kv_pool < one_seq:
+        fits, reason = False, (f"the KV pool left ({_fmt(kv_pool)}) cannot hold one sequence of max_model_len "
+                               f"{max_model_len:,} ({_fmt(one_seq)}); weights {_fmt(weights)}, state pool "
+                               f"{_fmt(state_pool)}, activation {_fmt(activation)}, budget {_fmt(budget)}")
+    return Plan(cfg, shape, weights, breakdown, kv_per_token, kv_tp1, state_per_seq, state_pool, activation, kv_pool,
+                budget, length, max_seqs, fits, reason)

@@ -280,10 +280,11 @@ class MiDashengLMModel(ModelForCausalLM):
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(f"audio[{k}]: {e}") from None
         return clips
 
-    def stacked_params_mapping(self) -> list:
+    @classmethod
+    def stacked_params_mapping(cls) -> list:
         """``(param component, checkpoint component, shard id)`` rows for :func:`load_weights_by_table`, built from
         ``packed_modules_mapping`` plus the decoder's embedding/head renames."""
-        rows = [(packed, part, SHARD_IDS[part]) for packed, parts in self.packed_modules_mapping.items() for part in parts]
+        rows = [(packed, part, SHARD_IDS[part]) for packed, parts in cls.packed_modules_mapping.items() for part in parts]
         return rows + [("embed_tokens.embeddings", "embed_tokens", None), ("lm_head.linear", "lm_head", None)]
 
     def load_weights(self, weights) -> set:

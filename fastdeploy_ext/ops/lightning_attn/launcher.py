@@ -128,6 +128,8 @@ class PaddleOps:
         return self.paddle.device.cuda.get_device_properties(t.place.gpu_device_id()).multi_processor_count
 
     def is_capturing(self, t):
+        # Paddle exposes no per-stream "is capturing" query; callers that capture CUDA graphs pass
+        # check_slots=False (documented on lightning_attn_decode).
         return False
 
     def launch(self, kernel, grid, args, **meta):

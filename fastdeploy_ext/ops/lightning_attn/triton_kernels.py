@@ -25,7 +25,7 @@ import triton.language as tl
 
 from fastdeploy_ext.ops.lightning_attn import launcher
 
-__all__ = ["lightning_attn_prefill", "lightning_attn_decode", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["lightning_attn_prefill", "lightning_attn_decode", "LaunchConfig", "SUPPORTED_HEAD_DIMS"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _BLOCK_SIZES = (16, 32, 64, 128)

@@ -23,8 +23,12 @@ import threading
 import time
 import uuid
 from collections import deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
@@ -419,8 +423,6 @@ class OpenAIServer:
 
     async def run(self, http_request, kind: str, body: bytes):
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
-
         if kind == "completion":
             req = parse_request(CompletionRequest, body)
             self._check_model(req.model)
@@ -548,11 +550,6 @@ class OpenAIServer:
     # ---- app
 
     def build_app(self):
-        from contextlib import asynccontextmanager
-
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, PlainTextResponse
-
         @asynccontextmanager
         async def lifespan(app):
             self.loop.start()

@@ -230,12 +230,17 @@ def model_shape(model_dir: str) -> ModelShape:
                               f"(extra {extra[:3]}, missing {missing[:3]})")
         total = index.get("metadata", {}).get("total_size")
         derived = sum(math.prod(t.shape) for t in shape.tensors)
-        bytes_per = _DTYPE_BYTES.get(str(raw.get("torch_dtype") or raw.get("dtype")), None)
-        if total is not None and bytes_per is not None and derived * bytes_per != total:
-            raise ConfigError(f"{index_path}: metadata.total_size {total} != {derived} parameters x {bytes_per} bytes "
-                              "derived from config.json")
-        shape.source = (f"index names ({len(names)} tensors) + config.json shapes, total_size {total:,} bytes "
-                        "reproduced" if total is not None else f"index names ({len(names)}) + config.json shapes")
+        router = sum(math.prod(t.shape) for t in shape.tensors if t.kind == "router")
+        # On-disk layouts the total may come from (config.json may omit the dtype; MiniMax-M1's does). MiniMax-M1's
+        # index matches bf16 with fp32 router gates exactly.
+        layouts = {"bf16": 2 * derived, "bf16 with fp32 routers": 2 * derived + 2 * router, "fp32": 4 * derived}
+        matched = [name for name, size in layouts.items() if size == total]
+        if total is not None and not matched:
+            raise ConfigError(f"{index_path}: metadata.total_size {total} matches no layout of the {derived} "
+                              f"parameters derived from config.json ({', '.join(f'{k}: {v}' for k, v in layouts.items())})")
+        shape.source = (f"index names ({len(names)} tensors) + config.json shapes ({derived:,} parameters); "
+                        f"total_size {total:,} bytes reproduced as {matched[0]}" if total is not None
+                        else f"index names ({len(names)} tensors) + config.json shapes")
     else:
         shape.source = f"config.json shapes ({len(shape.tensors)} tensors; no checkpoint here)"
     return shape

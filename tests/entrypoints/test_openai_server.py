@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -16,8 +17,10 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_qwen2_dir):
-    return start_server(["--model", tiny_qwen2_dir, "--served-model-name", MODEL, "--max-model-len",
-                         str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-pending-requests", "48"])
+    # The demo config with flags overriding its checkpoint, name, length and queue limit.
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny-qwen2.yaml")
+    return start_server(["--config", config, "--model", tiny_qwen2_dir, "--served-model-name", MODEL,
+                         "--max-model-len", str(MAX_MODEL_LEN), "--max-pending-requests", "48"])
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,29 @@ from fastdeploy_ext.tiny import write_tiny
 def minimax_server(start_server, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny_minimax"))
     write_tiny("MiniMaxM1ForCausalLM", d, seed=0)
-    return start_server(["--model", d, "--served-model-name", "m1", "--max-model-len", "512", "--max-num-seqs", "4"])
+    return start_server(["--model", d, "--served-model-name", "m1", "--max-model-len", "512", "--max-num-seqs", "4",
+                         "--api-key", KEY])
+
+
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_api_key_guards_v1_routes(minimax_server):
+    url = minimax_server.url
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == 401
+    assert httpx.get(url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "m1"
+    assert httpx.get(url + "/health").status_code == 200
 
 
 def test_minimax_disconnect_frees_pages_and_state_slot(minimax_server):
     server = minimax_server
     assert server.metrics()["fastdeploy_ext_state_slots_total"] == 4
     body = {"model": "m1", "prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=30, headers=AUTH) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
             lines = resp.iter_lines()
             [next(lines) for _ in range(4)]
             m = server.metrics()

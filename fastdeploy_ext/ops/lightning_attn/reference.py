@@ -108,18 +108,24 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
     if np.unique(live).shape[0] != live.shape[0]:
         raise ValueError(f"non-padding slot_ids must be distinct, got {slots.tolist()}")
 
-    out = paddle.zeros([batch, num_heads, head_dim], dtype="float32")
     if rows.shape[0] == 0:
-        return out
+        return paddle.zeros([batch, num_heads, head_dim], dtype="float32")
     with paddle.no_grad():
-        row_idx = paddle.to_tensor(rows.astype("int64"))
         slot_idx = paddle.to_tensor(live.astype("int64"))
-        lam = paddle.exp(-slopes).reshape([1, num_heads, 1, 1])
-        qr, kr, vr = q[row_idx], k[row_idx], v[row_idx]
-        state = lam * state_pool[slot_idx] + kr.unsqueeze(-1) * vr.unsqueeze(-2)
-        state_pool[slot_idx] = state
-        out[row_idx] = paddle.matmul(qr.unsqueeze(-2), state).squeeze(-2)
-    return out
+        padded = rows.shape[0] < batch
+        if padded:
+            row_idx = paddle.to_tensor(rows.astype("int64"))
+            q, k, v = paddle.gather(q, row_idx), paddle.gather(k, row_idx), paddle.gather(v, row_idx)
+        # gather/scatter_ and a matmul outer product: Paddle's CPU indexing and broadcast kernels
+        # are several times slower on a [B, H, D, D] state.
+        lam = paddle.exp(-slopes).reshape([1, num_heads, 1, 1]).expand([live.shape[0], num_heads, 1, 1])
+        state = paddle.gather(state_pool, slot_idx) * lam + paddle.matmul(k.unsqueeze(-1), v.unsqueeze(-2))
+        paddle.scatter_(state_pool, slot_idx, state)
+        live_out = paddle.matmul(q.unsqueeze(-2), state).squeeze(-2)
+        if not padded:
+            return live_out
+        out = paddle.zeros([batch, num_heads, head_dim], dtype="float32")
+        return paddle.scatter(out, row_idx, live_out)
 
 
 def _check_qkv(q, k, v, *names):

@@ -100,9 +100,32 @@ class SchedulerConfig:
 
 @dataclass
 class QuantConfig:
+    """Weight quantization, built by ``fastdeploy_ext.quantization.resolve_quant_config``.
+
+    ``method``: None (full precision), ``"wint8"``/``"wint4"`` (quantized while loading a float checkpoint) or
+    ``"gptq"``/``"fp8"`` (pre-quantized checkpoint, from config.json's ``quantization_config``). ``group_size``:
+    input channels per int4 scale (-1: one group per row); ``skip_modules``: module prefixes kept in full
+    precision (exact prefix match). GPTQ: ``desc_act``, ``zero_point_offset`` (1 for AutoGPTQ's stored z - 1).
+    FP8: ``weight_block_size`` ``(out, in)``.
+    """
+
     method: str | None = None
     group_size: int = 128
     skip_modules: tuple = ()
+    desc_act: bool = False
+    zero_point_offset: int = 0
+    weight_block_size: tuple = (128, 128)
+
+    def get_quant_method(self, layer):
+        """The layer's quantization method, or None for full precision."""
+        from fastdeploy_ext.quantization.methods import get_quant_method
+
+        return get_quant_method(self, layer)
+
+    def get_moe_quant_method(self, layer):
+        from fastdeploy_ext.quantization.methods import get_moe_quant_method
+
+        return get_moe_quant_method(self, layer)
 
 
 @dataclass

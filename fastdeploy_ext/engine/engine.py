@@ -8,6 +8,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import paddle
@@ -18,7 +19,6 @@ from fastdeploy_ext.config.base import (
     FDConfig,
     LoadConfig,
     ParallelConfig,
-    QuantConfig,
     SchedulerConfig,
     load_hf_config,
 )
@@ -29,6 +29,7 @@ from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprob
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.model_loader import iterate_checkpoint
+from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
 
 logger = logging.getLogger("fastdeploy_ext")
@@ -56,7 +57,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     dtype: str = "auto"
-    quantization: str | None = None
+    quantization: Any = None  # None, "wint8" | "wint4", {"method", "group_size", "skip_modules"} or a QuantConfig
     seed: int = 0
     device: str = "auto"
 
@@ -68,14 +69,13 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
         raise ConfigError(f"device {args.device!r} is not available in this build (Paddle CPU); use 'cpu' or 'auto'")
     if args.dtype not in ("auto", "float32"):
         raise ConfigError(f"dtype {args.dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
-    if args.quantization is not None:
-        raise ConfigError(f"quantization {args.quantization!r} is not supported by this engine build yet")
     if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive int, got {args.tensor_parallel_size!r}")
 
     hf_config = load_hf_config(args.model)
     model_cls = get_model_class(architecture_of(hf_config))
     model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(args.model, "config.json"))
+    quant_config = resolve_quant_config(args.quantization, hf_config, model_cls, os.path.join(args.model, "config.json"))
 
     limit = model_config.max_position_embeddings
     max_model_len = args.max_model_len
@@ -94,7 +94,7 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
         parallel_config=ParallelConfig(args.tensor_parallel_size, rank, tp_group),
         cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
         scheduler_config=SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill, max_model_len),
-        quant_config=QuantConfig(method=args.quantization),
+        quant_config=quant_config,
         load_config=LoadConfig(model_path=args.model, dtype="float32"),
     )
     return model_cls, fd_config
@@ -110,6 +110,8 @@ def build_model(model_cls, fd_config, load: bool = True):
         model = model_cls(fd_config)
         model.eval()
         model.load_weights(iterate_checkpoint(fd_config.load_config.model_path))
+        logger.info("%s", describe_weight_bytes(model, fd_config.parallel_config.tensor_parallel_rank,
+                                                fd_config.quant_config.method))
         return model
 
 

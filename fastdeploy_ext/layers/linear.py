@@ -28,10 +28,16 @@ def compute_dtype(fd_config) -> str:
 
 
 class LinearBase(nn.Layer):
-    """``y = x @ W (+ b)`` with ``W`` of shape ``[input_size_per_partition, output_size_per_partition]``."""
+    """``y = x @ W (+ b)`` with ``W`` of shape ``[input_size_per_partition, output_size_per_partition]``.
+
+    With a quantization method (``fd_config.quant_config.get_quant_method(self)``) the method creates the weight
+    parameters and computes ``x @ W``; the loaders below still do the tensor-parallel slicing, on a source that
+    yields quantized blocks. ``skip_quant`` (or a pinned ``weight_dtype``, e.g. the fp32 MoE router) keeps the
+    layer in full precision.
+    """
 
     def __init__(self, fd_config, prefix: str, input_size: int, output_size: int, with_bias: bool = False,
-                 weight_dtype: str | None = None):
+                 weight_dtype: str | None = None, skip_quant: bool = False):
         super().__init__()
         self.fd_config = fd_config
         self.prefix = prefix
@@ -43,12 +49,19 @@ class LinearBase(nn.Layer):
         self.weight_dtype = weight_dtype or compute_dtype(fd_config)
         self.input_size_per_partition = input_size
         self.output_size_per_partition = output_size
+        self.skip_quant = skip_quant or weight_dtype is not None
+        quant_config = getattr(fd_config, "quant_config", None)
+        self.quant_method = None if quant_config is None else quant_config.get_quant_method(self)
 
     def _create_params(self, expected_shards=None):
-        self.weight = create_param(self, [self.input_size_per_partition, self.output_size_per_partition], self.weight_dtype)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.expected_shards = expected_shards
-        self.weight.param_path = f"{self.prefix}.weight"
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, expected_shards)
+        else:
+            self.weight = create_param(self, [self.input_size_per_partition, self.output_size_per_partition],
+                                       self.weight_dtype)
+            self.weight.weight_loader = self.weight_loader
+            self.weight.expected_shards = expected_shards
+            self.weight.param_path = f"{self.prefix}.weight"
         if self.with_bias:
             self.bias = create_param(self, [self.output_size_per_partition], self.weight_dtype)
             self.bias.weight_loader = self.weight_loader
@@ -60,6 +73,9 @@ class LinearBase(nn.Layer):
     def _copy_rows(self, param, rows, out_offset: int, shard_id):
         """Copy checkpoint rows ``rows`` (torch layout, already this rank's slice) to local output
         columns ``[out_offset, out_offset + len)``."""
+        if self.quant_method is not None and param is self.quant_method.weight_param(self):
+            self.quant_method.place_rows(self, rows, out_offset, shard_id)
+            return
         value = as_float32(rows)
         n = value.shape[0]
         if param.ndim == 2:
@@ -79,8 +95,13 @@ class LinearBase(nn.Layer):
         elif len(shape_of(w)) != 1:
             raise WeightLoadError(f"shape mismatch for parameter '{param.param_path}': checkpoint {list(shape_of(w))} is not 1-D")
 
+    def _matmul(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
+        return paddle.matmul(x, self.weight)
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = paddle.matmul(x, self.weight)
+        out = self._matmul(x)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -89,8 +110,8 @@ class LinearBase(nn.Layer):
 class ReplicatedLinear(LinearBase):
     """Full weight on every rank (MoE routers, small projections)."""
 
-    def __init__(self, fd_config, prefix, input_size, output_size, with_bias=False, weight_dtype=None):
-        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype)
+    def __init__(self, fd_config, prefix, input_size, output_size, with_bias=False, weight_dtype=None, skip_quant=False):
+        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype, skip_quant)
         self._create_params()
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
@@ -104,8 +125,8 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output dim split into ``tp`` contiguous slices; ``output_size`` is the global size."""
 
-    def __init__(self, fd_config, prefix, input_size, output_size, with_bias=False, weight_dtype=None):
-        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype)
+    def __init__(self, fd_config, prefix, input_size, output_size, with_bias=False, weight_dtype=None, skip_quant=False):
+        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype, skip_quant)
         self.output_size_per_partition = divide(output_size, self.tp_size, f"{prefix}: output_size / tensor_parallel_size")
         self._create_params()
 
@@ -124,8 +145,8 @@ class MergedColumnParallelLinear(LinearBase):
     (FastDeploy's ``up_gate_proj``: shard ids ``"gate"``, ``"up"``; or integer indices)."""
 
     def __init__(self, fd_config, prefix, input_size, output_sizes: list, with_bias=False, weight_dtype=None,
-                 shard_names: tuple = ("gate", "up")):
-        super().__init__(fd_config, prefix, input_size, sum(output_sizes), with_bias, weight_dtype)
+                 shard_names: tuple = ("gate", "up"), skip_quant=False):
+        super().__init__(fd_config, prefix, input_size, sum(output_sizes), with_bias, weight_dtype, skip_quant)
         self.output_sizes = list(output_sizes)
         self.shard_names = tuple(shard_names)[: len(output_sizes)]
         self.local_sizes = [divide(s, self.tp_size, f"{prefix}: output size / tensor_parallel_size") for s in output_sizes]
@@ -158,8 +179,9 @@ class QKVParallelLinear(LinearBase):
     ``[q; k; v]`` checkpoint tensor."""
 
     def __init__(self, fd_config, prefix, hidden_size, num_heads, kv_num_heads, head_dim, with_bias=False,
-                 weight_dtype=None):
-        super().__init__(fd_config, prefix, hidden_size, (num_heads + 2 * kv_num_heads) * head_dim, with_bias, weight_dtype)
+                 weight_dtype=None, skip_quant=False):
+        super().__init__(fd_config, prefix, hidden_size, (num_heads + 2 * kv_num_heads) * head_dim, with_bias, weight_dtype,
+                         skip_quant)
         self.num_heads, self.kv_num_heads, self.head_dim = num_heads, kv_num_heads, head_dim
         self.num_heads_per_rank = divide(num_heads, self.tp_size, f"{prefix}: num_heads / tensor_parallel_size")
         if kv_num_heads >= self.tp_size:
@@ -204,8 +226,8 @@ class RowParallelLinear(LinearBase):
     added after the reduction so it counts once."""
 
     def __init__(self, fd_config, prefix, input_size, output_size, with_bias=False, reduce_results=True,
-                 weight_dtype=None):
-        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype)
+                 weight_dtype=None, skip_quant=False):
+        super().__init__(fd_config, prefix, input_size, output_size, with_bias, weight_dtype, skip_quant)
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix}: input_size / tensor_parallel_size")
         self._create_params()
@@ -222,7 +244,7 @@ class RowParallelLinear(LinearBase):
             self._copy_rows(param, loaded_weight[:], 0, None)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = paddle.matmul(x, self.weight)
+        out = self._matmul(x)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.fd_config)
         if self.bias is not None:

@@ -27,7 +27,8 @@ class FusedMoE(nn.Layer):
     - ``down_proj_weight`` ``[E, inter/tp, hidden]``.
 
     Both take ``weight_loader(param, w, shard_id, expert_id)`` with ``w`` one expert's torch-layout matrix
-    (``gate``/``up``: ``[inter, hidden]``, ``down``: ``[hidden, inter]``), sliced lazily per rank.
+    (``gate``/``up``: ``[inter, hidden]``, ``down``: ``[hidden, inter]``), sliced lazily per rank. Under wint8/wint4
+    (``fd_config.quant_config.get_moe_quant_method``) both hold codes, with ``<name>_scale`` beside them.
     """
 
     def __init__(self, fd_config, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
@@ -40,9 +41,15 @@ class FusedMoE(nn.Layer):
         self.intermediate_size = moe_intermediate_size
         self.inter_per_rank = divide(moe_intermediate_size, self.tp_size, f"{prefix}: intermediate_size / tensor_parallel_size")
         self.renormalize, self.reduce_results = renormalize, reduce_results
-        dtype = compute_dtype(fd_config)
-        self.up_gate_proj_weight = create_param(self, [num_experts, hidden_size, 2 * self.inter_per_rank], dtype)
-        self.down_proj_weight = create_param(self, [num_experts, self.inter_per_rank, hidden_size], dtype)
+        shapes = {"up_gate_proj_weight": (num_experts, hidden_size, 2 * self.inter_per_rank),
+                  "down_proj_weight": (num_experts, self.inter_per_rank, hidden_size)}
+        quant_config = getattr(fd_config, "quant_config", None)
+        self.quant_method = None if quant_config is None else quant_config.get_moe_quant_method(self)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, shapes)
+        else:
+            for name, shape in shapes.items():
+                setattr(self, name, create_param(self, list(shape), compute_dtype(fd_config)))
         for name, shards in (("up_gate_proj_weight", ("gate", "up")), ("down_proj_weight", ("down",))):
             param = getattr(self, name)
             param.weight_loader = self.weight_loader
@@ -56,18 +63,33 @@ class FusedMoE(nn.Layer):
             raise WeightLoadError(f"'{param.param_path}': expert id {expert_id!r} outside [0, {self.num_experts})")
         where = f"{param.param_path}[expert {expert_id}, {shard_id}]"
         n, lo = self.inter_per_rank, self.tp_rank * self.inter_per_rank
+        if self.quant_method is not None:
+            loaded_weight = self.quant_method.source(loaded_weight, where)
         if shard_id == "down":
             if param is not self.down_proj_weight:
                 raise WeightLoadError(f"'{param.param_path}' got shard id 'down' (it belongs to down_proj_weight)")
             check_shape(where, shape_of(loaded_weight), (self.hidden_size, self.intermediate_size))
-            assign(param, as_float32(loaded_weight[:, lo:lo + n]).T, expert_id)
+            self._place(param, loaded_weight[:, lo:lo + n], expert_id, 0, shard_id)
         else:
             if param is not self.up_gate_proj_weight:
                 raise WeightLoadError(f"'{param.param_path}' got shard id {shard_id!r} (it belongs to up_gate_proj_weight)")
             check_shape(where, shape_of(loaded_weight), (self.intermediate_size, self.hidden_size))
             offset = 0 if shard_id == "gate" else n
-            assign(param, as_float32(loaded_weight[lo:lo + n]).T, (expert_id, slice(None), slice(offset, offset + n)))
+            self._place(param, loaded_weight[lo:lo + n], expert_id, offset, shard_id)
         mark_loaded(param, f"{expert_id}.{shard_id}")
+
+    def _place(self, param, rows, expert_id: int, out_offset: int, shard_id: str) -> None:
+        """Torch-layout ``rows`` ``[out, in]`` → output columns ``[out_offset, out_offset + out)`` of expert ``expert_id``."""
+        if self.quant_method is not None:
+            self.quant_method.place_expert(self, param, rows, expert_id, out_offset, shard_id)
+            return
+        n = shape_of(rows)[0]
+        assign(param, as_float32(rows).T, (expert_id, slice(None), slice(out_offset, out_offset + n)))
+
+    def _expert_weight(self, name: str, expert_id: int) -> paddle.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.expert_weight(self, name, expert_id)
+        return getattr(self, name)[expert_id]
 
     def forward(self, x: paddle.Tensor, gate: nn.Layer) -> paddle.Tensor:
         """``x`` ``[T, hidden]``; ``gate`` maps fp32 ``[T, hidden]`` to router logits ``[T, E]``."""
@@ -88,9 +110,9 @@ class FusedMoE(nn.Layer):
             if count == 0:
                 continue
             idx = tokens[start:start + count]
-            up_gate = paddle.matmul(paddle.gather(x, idx), self.up_gate_proj_weight[e])
+            up_gate = paddle.matmul(paddle.gather(x, idx), self._expert_weight("up_gate_proj_weight", e))
             g, u = paddle.split(up_gate, 2, axis=-1)
-            y = paddle.matmul(nn.functional.silu(g) * u, self.down_proj_weight[e])
+            y = paddle.matmul(nn.functional.silu(g) * u, self._expert_weight("down_proj_weight", e))
             out = paddle.index_add(out, idx, 0, y.astype("float32") * weights[start:start + count])
             start += count
         out = out.astype(x.dtype)

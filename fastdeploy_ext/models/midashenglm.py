@@ -131,6 +131,8 @@ class MiDashengLMModel(ModelForCausalLM):
     # The decoder's fused parameters and the checkpoint projections they hold, in shard order (FastDeploy spelling);
     # load_weights builds its stacked-params table from it and quantization matches per-shard names with it.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
+    # Kept in full precision under any quantization (spec §8): only the decoder's linears are quantized.
+    quant_skip_modules = ("audio_encoder", "audio_projector")
     # Every clip expands to identical <|AUDIO|> ids: a token-keyed prefix cache would reuse another clip's KV.
     supports_prefix_caching = False
 

@@ -1,0 +1,158 @@
+"""wint8 / wint4 on tiny Qwen2, MiniMax-M1 and MiDashengLM (CPU, fp32).
+
+For each model and method three engines are built: the float model, the quantized model, and a float model
+loaded from a checkpoint holding the dequantized weights (quantized test-side from the format's definition:
+``s = absmax / qmax`` per output channel or per group of input channels, ``q = rint(w / s)``).
+"""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_ext import LLM
+from fastdeploy_ext.config.base import ConfigError, QuantConfig
+from fastdeploy_ext.layers.linear import LinearBase
+from fastdeploy_ext.tiny import write_tiny
+from tests.quantization.helpers import (
+    DECODER_LINEAR,
+    dequantized_weights,
+    float_weights,
+    max_logprob_diff,
+    prompt_ids,
+    prompt_logprobs,
+    quantized_layers,
+    read_tensors,
+    top1_agreement,
+    write_float_checkpoint,
+)
+
+# Tiny models' input widths are 16..128: int4 groups of 16 keep several groups per row.
+METHODS = {"wint8": ("wint8", None, 127), "wint4": ({"method": "wint4", "group_size": 16}, 16, 7)}
+ARCHS = ["Qwen2ForCausalLM", "MiniMaxM1ForCausalLM", "MiDashengLMModel"]
+AGREEMENT = {}
+
+
+def reference_dequantize(w: np.ndarray, group, qmax: int) -> np.ndarray:
+    """Torch-layout ``[out, in]`` → the dequantized weight, from the format definition."""
+    o, i = w.shape
+    g = i if group is None else group
+    blocks = w.reshape(o, i // g, g)
+    amax = np.max(np.abs(blocks), axis=2, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(qmax), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale), -qmax, qmax)
+    return (q.astype(np.float32) * scale).reshape(o, i)
+
+
+@pytest.fixture(scope="module")
+def float_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ARCHS:
+        d = str(tmp_path_factory.mktemp(arch))
+        write_tiny(arch, d, seed=3)
+        dirs[arch] = d
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def float_runs(float_dirs):
+    runs = {}
+    for arch, d in float_dirs.items():
+        llm = LLM(model=d, max_model_len=512)
+        runs[arch] = (llm, prompt_logprobs(llm, prompt_ids(7)))
+    return runs
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_equals_float_model_of_dequantized_weights(arch, method, float_dirs, float_runs, tmp_path):
+    quantization, group, qmax = METHODS[method]
+    src = float_dirs[arch]
+    tensors = read_tensors(src)
+    deq = {k: reference_dequantize(v, group, qmax) if DECODER_LINEAR.match(k) else v for k, v in tensors.items()}
+    assert sum(1 for k in tensors if DECODER_LINEAR.match(k)) >= 8
+    write_float_checkpoint(src, str(tmp_path), deq)
+
+    q_llm = LLM(model=src, max_model_len=512, quantization=quantization)
+    d_llm = LLM(model=str(tmp_path), max_model_len=512)
+    ids = prompt_ids(7)
+    q_lp, d_lp = prompt_logprobs(q_llm, ids), prompt_logprobs(d_llm, ids)
+    assert max_logprob_diff(q_lp, d_lp) <= 1e-5
+
+    # The quantized layers hold exactly the dequantized weights, and only the decoder is quantized.
+    q_model, d_model = q_llm.llm_engine.model, d_llm.llm_engine.model
+    d_layers = dict(d_model.named_sublayers())
+    layers = quantized_layers(q_model)
+    assert layers
+    for name, layer in layers:
+        assert ".layers." in name and not name.startswith(("audio_", "lm_head")) and not name.endswith(".gate")
+        ref = float_weights(d_layers[name])
+        for key, w in dequantized_weights(layer).items():
+            np.testing.assert_array_equal(w, ref[key], err_msg=f"{name}.{key}")
+    for name, layer in q_model.named_sublayers():
+        if isinstance(layer, LinearBase) and (name.startswith(("audio_encoder", "audio_projector"))
+                                              or name.endswith("block_sparse_moe.gate")):
+            assert layer.quant_method is None and layer.weight.dtype == paddle.float32, name
+
+    f_llm, f_lp = float_runs[arch]
+    AGREEMENT[(arch, method)] = top1_agreement(q_lp, f_lp)
+    print(f"\ntop-1 agreement {arch} {method} vs float over {len(f_lp)} positions: {AGREEMENT[(arch, method)]:.4f}")
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_rounding_error_within_half_scale(method, float_dirs, float_runs):
+    """|w - deq| <= scale / 2 for every weight, with the scale the absmax / qmax of its channel or group (so a
+    too-large scale cannot pass the bound)."""
+    quantization, group, qmax = METHODS[method]
+    arch = "MiniMaxM1ForCausalLM"
+    q_llm = LLM(model=float_dirs[arch], max_model_len=512, quantization=quantization)
+    f_layers = dict(float_runs[arch][0].llm_engine.model.named_sublayers())
+    checked = 0
+    for name, layer in quantized_layers(q_llm.llm_engine.model):
+        w_float = float_weights(f_layers[name])
+        for key, deq in dequantized_weights(layer).items():
+            w = w_float[key]  # [in, out]
+            i, o = w.shape
+            g = i if group is None else group
+            amax = np.max(np.abs(w.reshape(i // g, g, o)), axis=1)
+            scale = np.repeat(amax / np.float32(qmax), g, axis=0)
+            err = np.abs(w - deq)
+            # s/2 from rounding to the grid, plus the fp32 rounding of q*s and of the difference (2 ulp of |w|).
+            bound = scale / 2 + 2 * np.finfo(np.float32).eps * np.abs(w)
+            assert np.all(err <= bound), f"{name}.{key}: max err/scale {np.max(err / scale)}"
+            assert np.max(err / scale) > 0.4, "rounding error suspiciously small: is the weight quantized at all?"
+            checked += 1
+    assert checked >= 8 * 2 * 4
+
+
+def test_wint8_top1_agreement_on_non_flat_logits(float_dirs, float_runs):
+    """wint8 keeps >= 95% of the float model's greedy choices over 256 positions on tiny Qwen2 (whose logits are
+    non-flat: the head is scaled x2), and wint4 agrees less (the test can tell the two apart)."""
+    arch = "Qwen2ForCausalLM"
+    f_llm, f_lp = float_runs[arch]
+    spread = np.mean([max(e.values()) - sorted(e.values())[-2] for e in f_lp])
+    assert spread > 0.1  # mean top-1 margin in nats: logits are not flat
+    agree = {m: top1_agreement(prompt_logprobs(LLM(model=float_dirs[arch], max_model_len=512, quantization=q),
+                                               prompt_ids(7)), f_lp) for m, (q, _, _) in METHODS.items()}
+    print(f"\ntop-1 agreement tiny Qwen2 over 256 positions: {agree}")
+    assert agree["wint8"] >= 0.95
+    assert agree["wint4"] < 1.0
+
+
+def test_quantization_argument_errors(float_dirs):
+    d = float_dirs["Qwen2ForCausalLM"]
+    with pytest.raises(ConfigError, match="'wint3' is not supported"):
+        LLM(model=d, quantization="wint3")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        LLM(model=d, quantization={"method": "wint4", "groupsize": 16})
+    # 64-wide inputs cannot be cut into groups of 128.
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.qkv_proj.*group_size 128"):
+        LLM(model=d, quantization="wint4")
+
+
+def test_skip_modules_by_exact_prefix(float_dirs):
+    d = float_dirs["Qwen2ForCausalLM"]
+    llm = LLM(model=d, max_model_len=64, quantization=QuantConfig("wint8", skip_modules=("model.layers.1", "model.layers.0.mlp.down")))
+    names = {n for n, _ in quantized_layers(llm.llm_engine.model)}
+    # "model.layers.0.mlp.down" is not a module path, so it skips nothing.
+    assert names == {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                     "model.layers.0.mlp.up_gate_proj", "model.layers.0.mlp.down_proj"}

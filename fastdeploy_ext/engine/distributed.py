@@ -87,8 +87,8 @@ def serve_rank(recv, send, fd_config, model) -> None:
         elif op == "release":
             runner.release(payload)
             result = None
-        elif op == "copy_state":
-            runner.copy_state(*payload)
+        elif op == "fork":
+            runner.fork(*payload)
             result = None
         else:
             raise ValueError(f"unknown driver op {op!r}")
@@ -210,9 +210,9 @@ class DistributedRunner:
             self._broadcast(("release", list(request_ids)))
             self._gather("release")
 
-    def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        self._broadcast(("copy_state", (src_slot, dst_slot)))
-        self._gather("copy_state")
+    def fork(self, src_blocks, dst_blocks, src_slot, dst_slot) -> None:
+        self._broadcast(("fork", (list(src_blocks), list(dst_blocks), src_slot, dst_slot)))
+        self._gather("fork")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -277,9 +277,9 @@ class LaunchedRunner:
         _bcast(("release", list(request_ids)))
         self.runner.release(request_ids)
 
-    def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        _bcast(("copy_state", (src_slot, dst_slot)))
-        self.runner.copy_state(src_slot, dst_slot)
+    def fork(self, src_blocks, dst_blocks, src_slot, dst_slot) -> None:
+        _bcast(("fork", (list(src_blocks), list(dst_blocks), src_slot, dst_slot)))
+        self.runner.fork(src_blocks, dst_blocks, src_slot, dst_slot)
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -169,6 +169,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(args.seed)
         self._arrivals = 0
         self._requests: dict[str, Request] = {}
+        self._forks: dict[str, list[Request]] = {}
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
         self.eos_token_ids = sorted(eos)
 
@@ -210,7 +211,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                     multimodal_inputs=None) -> list[Request]:
         """Queue a prompt; ``n > 1`` creates ``n`` sibling sequences ``<id>_<k>`` whose seeds are
-        ``seed + k`` (so sibling k equals a single-sample run with that seed)."""
+        ``seed + k`` (so sibling k equals a single-sample run with that seed). Only sibling 0 runs the
+        prompt; the others are forked from it when its prefill completes (KV pages and recurrent
+        state copied, first token sampled from the same logits)."""
         from fastdeploy_ext.engine.tokenizer import IncrementalDetokenizer
 
         self.validate_prompt(token_ids, params)
@@ -228,9 +231,31 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             self._requests[rid] = req
-            self.scheduler.add_request(req)
+            if k == 0:
+                self.scheduler.add_request(req)
             created.append(req)
+        if len(created) > 1:
+            self._forks[created[0].request_id] = created[1:]
         return created
+
+    def _release_forks(self, parent: Request, row: np.ndarray, touched: list) -> None:
+        """Start the siblings waiting on ``parent``'s prefill: copy its prompt's KV pages and state
+        into each sibling's own (or, without room, queue the sibling to compute the prompt itself)."""
+        for sib in self._forks.pop(parent.request_id, []):
+            if sib.is_finished:
+                continue
+            if not self.scheduler.try_fork(parent, sib):
+                self.scheduler.add_request(sib)
+                continue
+            self.runner.fork(parent.block_ids, sib.block_ids, parent.state_slot, sib.state_slot)
+            if parent.prompt_logprobs is not None:
+                sib.prompt_logprobs = list(parent.prompt_logprobs)
+            touched.append(sib)
+            try:
+                self._append_token(sib, row)
+            except Exception as e:
+                logger.exception("request %s failed", sib.request_id)
+                self._finish(sib, "error", f"{type(e).__name__}: {e}")
 
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.get(request_id)
@@ -251,6 +276,8 @@ class LLMEngine:
         req.metrics.finish_time = time.time()
         self.scheduler.finish(req)
         self.runner.release([req.request_id])
+        for sib in self._forks.pop(req.request_id, []):
+            self.scheduler.add_request(sib)  # the parent ended before its prefill: siblings run on their own
         self._requests.pop(req.request_id, None)
 
     def step(self) -> list[Request]:
@@ -282,6 +309,8 @@ class LLMEngine:
                     self._record_prompt_logprobs(req, seq.start, prompt_rows)
                 req.num_computed_tokens += seq.num_new_tokens
                 if sample_row is not None:
+                    if req.request_id in self._forks:
+                        self._release_forks(req, sample_row, touched)
                     self._append_token(req, sample_row)
             except Exception as e:
                 logger.exception("request %s failed", req.request_id)

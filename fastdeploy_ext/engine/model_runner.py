@@ -54,6 +54,19 @@ class ModelRunner:
         for pool in self.state_pool or []:
             pool[dst_slot] = pool[src_slot]
 
+    def fork(self, src_blocks, dst_blocks, src_slot, dst_slot) -> None:
+        """Copy the KV pages ``src_blocks[:len(dst_blocks)]`` into ``dst_blocks`` and the recurrent
+        state ``src_slot`` into ``dst_slot`` (an ``n > 1`` sibling starts from its parent's prompt)."""
+        bs = self.block_size
+        offs = np.arange(bs)
+        src = paddle.to_tensor((np.asarray(src_blocks[: len(dst_blocks)])[:, None] * bs + offs).reshape(-1))
+        dst = paddle.to_tensor((np.asarray(dst_blocks)[:, None] * bs + offs).reshape(-1))
+        for k_heads, v_heads in self.caches:
+            for t in (*k_heads, *v_heads):
+                paddle.scatter_(t, dst, paddle.gather(t, src))
+        if self.state_pool is not None:
+            self.copy_state(src_slot, dst_slot)
+
     def execute(self, seqs: list[ScheduledSeq]) -> StepLogits:
         return self.execute_step(make_seq_inputs(seqs))
 

@@ -50,6 +50,7 @@ class SchedulerStats:
     num_mixed_steps: int = 0  # steps with both a prefill chunk and a decode
     num_queued_steps: int = 0  # steps that left requests waiting
     num_chunked_prefill_steps: int = 0  # steps that ran a partial prompt chunk
+    num_forks: int = 0  # n > 1 siblings started from a copy of their parent's prefill
 
 
 class Scheduler:
@@ -84,6 +85,23 @@ class Scheduler:
             self.waiting.remove(request)
         self.free_request(request)
         request.status = RequestStatus.FINISHED
+
+    def try_fork(self, parent: Request, child: Request) -> bool:
+        """Seat ``child`` as running with its own pages (and state slot) for ``parent``'s prompt,
+        which the caller copies; False when there is no seat, page or slot for it."""
+        n = len(parent.prompt_token_ids)
+        need = self.blocks.blocks_needed(0, n)
+        if (len(self.running) >= self.config.max_num_seqs or need > self.blocks.num_free
+                or self.state_slots is not None and self.state_slots.num_free == 0):
+            return False
+        child.block_ids = self.blocks.allocate(need)
+        if self.state_slots is not None:
+            child.state_slot = self.state_slots.allocate()
+        child.num_computed_tokens = n
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self.stats.num_forks += 1
+        return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

@@ -78,11 +78,15 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_qwen2_dir):
     assert other_seed != alone_a
 
 
-def test_n_samples_equal_single_runs_with_per_sample_seed(tiny_qwen2_dir):
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=256)
+@pytest.mark.parametrize("seats", [4, 1], ids=["forked", "queued"])
+def test_n_samples_equal_single_runs_with_per_sample_seed(tiny_qwen2_dir, seats):
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=256, max_num_seqs=seats)
     prompt = prompts_of([25], 305)[0]
-    params = SamplingParams(n=3, temperature=1.0, seed=70, max_tokens=10, ignore_eos=True)
+    params = SamplingParams(n=3, temperature=1.0, seed=70, max_tokens=10, ignore_eos=True, prompt_logprobs=1)
     outs = llm.generate(prompt, params, use_tqdm=False)
+    # Forked siblings share sibling 0's prompt pass (KV pages copied), so the prompt ran once.
+    assert llm.llm_engine.scheduler.stats.num_forks == (2 if seats > 1 else 0)
+    assert outs[1].prompt_logprobs == outs[0].prompt_logprobs
     assert [o.request_id.rsplit("_", 1)[1] for o in outs] == ["0", "1", "2"]
     for k, o in enumerate(outs):
         single = llm.generate(prompt, params.clone(n=1, seed=70 + k), use_tqdm=False)[0]

@@ -44,7 +44,12 @@ def tiny_model(request, tmp_path_factory):
 def run(model_dir, tp, **extra):
     with LLM(model=model_dir, tensor_parallel_size=tp, **ENGINE, **extra) as llm:
         outs = llm.generate(prompts_of(LENGTHS, 401), PARAMS, use_tqdm=False)
-        return outs, llm.llm_engine.scheduler.stats
+        stats = llm.llm_engine.scheduler.stats
+        # n = 2 forks sibling 1 from sibling 0's prefill: every rank copies its KV shard and state.
+        outs += llm.generate(prompts_of([20], 404), SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6,
+                                                                   ignore_eos=True, logprobs=1), use_tqdm=False)
+        assert llm.llm_engine.scheduler.stats.num_forks == 1
+        return outs, stats
 
 
 def test_tp2_equals_tp1(tiny_model):

@@ -196,11 +196,15 @@ def test_chunked_prefill_equals_one_shot(m1_dir, chunk):
         assert max(abs(a[t] - b[t]) for t in a) <= 1e-5
 
 
-def test_n_samples_equal_single_runs_with_per_sample_seed(m1_dir):
-    llm = LLM(model=m1_dir, max_model_len=256)
+@pytest.mark.parametrize("seats", [4, 1], ids=["forked", "queued"])
+def test_n_samples_equal_single_runs_with_per_sample_seed(m1_dir, seats):
+    """Siblings 1, 2 start from a copy of sibling 0's prompt state (or, with no free seat, run the
+    prompt themselves later); either way each equals a single run with seed + k."""
+    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=seats)
     prompt = prompts_of([25], 305)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=70, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompt, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.stats.num_forks == (2 if seats > 1 else 0)
     for k, o in enumerate(outs):
         single = llm.generate(prompt, params.clone(n=1, seed=70 + k), use_tqdm=False)[0]
         assert o.outputs.token_ids == single.outputs.token_ids

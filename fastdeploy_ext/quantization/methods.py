@@ -27,8 +27,17 @@ import numpy as np
 import paddle
 
 from fastdeploy_ext.config.base import ConfigError
-from fastdeploy_ext.layers.utils import WeightLoadError, assign, create_param, mark_loaded
-from fastdeploy_ext.quantization.numerics import INT4_ZERO, fp8_e4m3fn_table, pack_nibbles
+from fastdeploy_ext.layers.utils import (
+    WeightLoadError,
+    assign,
+    create_param,
+    mark_loaded,
+)
+from fastdeploy_ext.quantization.numerics import (
+    INT4_ZERO,
+    fp8_e4m3fn_table,
+    pack_nibbles,
+)
 from fastdeploy_ext.quantization.sources import (
     BlockFP8Source,
     GPTQSource,

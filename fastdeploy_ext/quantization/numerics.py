@@ -113,7 +113,7 @@ class RawTensor:
         self._offset = 8 + n + int(meta["data_offsets"][0])
 
     @classmethod
-    def of(cls, tensor, what: str) -> "RawTensor":
+    def of(cls, tensor, what: str) -> RawTensor:
         """The raw view of a model-loader ``LazyTensor`` (anything with ``path`` and ``name``)."""
         if isinstance(tensor, RawTensor):
             return tensor

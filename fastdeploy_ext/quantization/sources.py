@@ -100,7 +100,7 @@ class OnlineInt4Source:
 
 class GPTQSource:
     """One projection of an AutoGPTQ/optimum checkpoint (4 bits): ``qweight`` int32 ``[in/8, out]``, ``qzeros``
-    int32 ``[G, out/8]``, ``scales`` fp16 ``[G, out]``, ``g_idx`` int32 ``[in]`` (optional; absent = ``c // g``).
+    int32 ``[G, out/8]``, ``scales`` fp16 ``[G, out]``, ``g_idx`` int32 ``[in]``.
     ``zero_offset`` is 1 for the original format (stored zero = z - 1) and 0 for ``gptq_v2``.
 
     With act-order (``desc_act``: ``g_idx`` is a permutation of groups) a column slice keeps every group, because
@@ -112,7 +112,7 @@ class GPTQSource:
         self.qweight = RawTensor.of(parts["qweight"], f"{what}.qweight")
         self.qzeros = RawTensor.of(parts["qzeros"], f"{what}.qzeros")
         self.scales = RawTensor.of(parts["scales"], f"{what}.scales")
-        self.g_idx_t = RawTensor.of(parts["g_idx"], f"{what}.g_idx") if "g_idx" in parts else None
+        self.g_idx_t = RawTensor.of(parts["g_idx"], f"{what}.g_idx")
         for part, want in (("qweight", "I32"), ("qzeros", "I32")):
             got = getattr(self, part).st_dtype
             if got != want:
@@ -127,19 +127,16 @@ class GPTQSource:
                 f"group_size {group_size} it must be [{-(-width // self.group)}, {out}] (group size mismatch)")
         if self.qzeros.shape != (groups, out // 8) or out % 8:
             raise WeightLoadError(f"'{what}.qzeros' has shape {list(self.qzeros.shape)}, expected [{groups}, {out // 8}]")
-        if self.g_idx_t is not None and self.g_idx_t.shape != (width,):
+        if self.g_idx_t.shape != (width,):
             raise WeightLoadError(f"'{what}.g_idx' has shape {list(self.g_idx_t.shape)}, expected [{width}]")
         self.shape = (out, width)
-        self.g_idx = None
-        if self.g_idx_t is not None:
-            g_idx = np.asarray(self.g_idx_t.array(), np.int64)
-            if g_idx.min() < 0 or g_idx.max() >= groups:
-                raise WeightLoadError(f"'{what}.g_idx' refers to groups outside [0, {groups})")
-            if desc_act:
-                self.g_idx = g_idx
-            elif not np.array_equal(g_idx, np.arange(width) // self.group):
-                raise WeightLoadError(f"'{what}.g_idx' is not column // group_size but quantization_config has "
-                                      "desc_act false")
+        g_idx = np.asarray(self.g_idx_t.array(), np.int64)
+        if g_idx.min() < 0 or g_idx.max() >= groups:
+            raise WeightLoadError(f"'{what}.g_idx' refers to groups outside [0, {groups})")
+        if not desc_act and not np.array_equal(g_idx, np.arange(width) // self.group):
+            raise WeightLoadError(f"'{what}.g_idx' is not column // group_size but quantization_config has desc_act false")
+        # None: contiguous groups, which a row-parallel slice may cut to its own.
+        self.g_idx = g_idx if desc_act else None
 
     def __getitem__(self, idx) -> QuantBlock:
         rows, cols = _index(idx, "GPTQSource")

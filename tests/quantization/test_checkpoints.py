@@ -35,7 +35,7 @@ from tests.quantization.helpers import (
 )
 
 torch = pytest.importorskip("torch")
-from safetensors.torch import save_file as torch_save_file  # noqa: E402
+from safetensors.torch import save_file as torch_save_file
 
 ARCHS = ["Qwen2ForCausalLM", "MiDashengLMModel"]
 

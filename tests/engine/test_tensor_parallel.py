@@ -201,3 +201,93 @@ def test_minimax_m1_shard_plan(tp):
         if tp == 8:
             # minimax_m1.md §8: ≈114 GB of bf16 weights per rank at tp=8.
             assert abs(2 * rank_elems / 1e9 - 114.0) < 0.1
+
+
+MIDASHENG_DIR = os.path.join(ROOT, "configs", "models", "MiDashengLM-7B")
+
+
+def midashenglm_shapes(cfg):
+    """Checkpoint names and shapes of MiDashengLM-7B per midashenglm.md §1 and §7."""
+    enc, text = cfg["audio_encoder_config"], cfg["text_config"]
+    e, depth, hidden, inter = enc["embed_dim"], enc["depth"], text["hidden_size"], text["intermediate_size"]
+    d = text["head_dim"]
+    q, kv, vocab = text["num_attention_heads"] * d, text["num_key_value_heads"] * d, text["vocab_size"]
+    t = {f"audio_encoder.init_bn.{k}": (64,) for k in ("weight", "bias", "running_mean", "running_var")}
+    t["audio_encoder.init_bn.num_batches_tracked"] = ()
+    t.update({"audio_encoder.patch_embed.proj.weight": (e, 1, 64, 4), "audio_encoder.patch_embed.proj.bias": (e,),
+              "audio_encoder.time_pos_embed": (1, e, 1, enc["target_length"] // 4),
+              "audio_encoder.freq_pos_embed": (1, e, 1, 1),
+              "audio_encoder.norm.weight": (e,), "audio_encoder.norm.bias": (e,)})
+    for i in range(depth):
+        p = f"audio_encoder.blocks.{i}"
+        for n in ("norm1", "norm2"):
+            t[f"{p}.{n}.weight"] = t[f"{p}.{n}.bias"] = (e,)
+        t.update({f"{p}.attn.qkv.weight": (3 * e, e), f"{p}.attn.qkv.bias": (3 * e,), f"{p}.attn.proj.weight": (e, e),
+                  f"{p}.attn.proj.bias": (e,), f"{p}.mlp.fc1.weight": (4 * e, e), f"{p}.mlp.fc1.bias": (4 * e,),
+                  f"{p}.mlp.fc2.weight": (e, 4 * e), f"{p}.mlp.fc2.bias": (e,)})
+    k = cfg["subsample_factor"]
+    t.update({"audio_projector.net.0.weight": (hidden, e * k), "audio_projector.net.0.bias": (hidden,),
+              "audio_projector.net.2.weight": (hidden, hidden), "audio_projector.net.2.bias": (hidden,),
+              "decoder.model.embed_tokens.weight": (vocab, hidden), "decoder.model.norm.weight": (hidden,),
+              "decoder.lm_head.weight": (vocab, hidden)})
+    for i in range(text["num_hidden_layers"]):
+        p = f"decoder.model.layers.{i}"
+        t.update({f"{p}.self_attn.q_proj.weight": (q, hidden), f"{p}.self_attn.q_proj.bias": (q,),
+                  f"{p}.self_attn.k_proj.weight": (kv, hidden), f"{p}.self_attn.k_proj.bias": (kv,),
+                  f"{p}.self_attn.v_proj.weight": (kv, hidden), f"{p}.self_attn.v_proj.bias": (kv,),
+                  f"{p}.self_attn.o_proj.weight": (hidden, q), f"{p}.mlp.gate_proj.weight": (inter, hidden),
+                  f"{p}.mlp.up_proj.weight": (inter, hidden), f"{p}.mlp.down_proj.weight": (hidden, inter),
+                  f"{p}.input_layernorm.weight": (hidden,), f"{p}.post_attention_layernorm.weight": (hidden,)})
+    return t
+
+
+# Replicated on every rank: norms, BatchNorm, patch embedding, position embeddings, and the biases of
+# row-parallel layers (added once, after the all-reduce).
+MIDASHENG_REPLICATED = re.compile(
+    r".*(norm\d?\.(weight|bias)|layernorm\.weight|init_bn\..*|patch_embed\..*|pos_embed|attn\.proj\.bias|"
+    r"mlp\.fc2\.bias|net\.2\.bias)")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_midashenglm_7b_shard_plan(tp):
+    cfg = json.load(open(os.path.join(MIDASHENG_DIR, "config.json")))
+    shapes = midashenglm_shapes(cfg)
+    for rank in sorted({0, tp - 1}):
+        model_cls, fd_config = build_fd_config(EngineArgs(model=MIDASHENG_DIR, tensor_parallel_size=tp), rank=rank)
+        model = build_model(model_cls, fd_config, load=False)
+        tensors = {n: ShapeOnly(s) for n, s in shapes.items()}
+        with shape_only_loading():
+            model.load_weights(iter(tensors.items()))
+        for n, t in tensors.items():
+            if n.endswith("num_batches_tracked"):
+                continue  # ignored by design (BatchNorm's step counter)
+            full = int(np.prod(t.shape))
+            want = full if MIDASHENG_REPLICATED.fullmatch(n) else full // tp
+            assert t.read == want, f"rank {rank} read {t.read} of {n} ({full}), expected {want}"
+
+
+def test_midashenglm_7b_refuses_tp8():
+    with pytest.raises(ConfigError, match="28 is not divisible by 8"):
+        build_model(*build_fd_config(EngineArgs(model=MIDASHENG_DIR, tensor_parallel_size=8)), load=False)
+
+
+def test_midashenglm_tp2_equals_tp1(tmp_path):
+    sys.path.insert(0, ROOT)
+    from tests.models.test_midashenglm import chat_prompt, clip
+
+    d = str(tmp_path / "mdl")
+    write_tiny("MiDashengLMModel", d, seed=3)
+    requests = [{"prompt": chat_prompt(), "multimodal_data": {"audio": [clip(2.3, 30)]}},
+                {"prompt_token_ids": prompts_of([17], 405, vocab=300)[0]["prompt_token_ids"]},
+                {"prompt": chat_prompt(2), "multimodal_data": {"audio": [clip(1.0, 31), clip(0.6, 32)]}}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        # A 16-token budget splits the audio spans across prefill chunks.
+        with LLM(model=d, tensor_parallel_size=tp, max_model_len=256, max_num_batched_tokens=16) as llm:
+            outs[tp] = llm.generate(requests, params, use_tqdm=False)
+            assert llm.llm_engine.scheduler.stats.num_chunked_prefill_steps > 0
+    for a, b in zip(outs[2], outs[1]):
+        assert a.outputs.token_ids == b.outputs.token_ids
+        for x, y in zip(a.outputs.logprobs, b.outputs.logprobs):
+            assert max(abs(x[t] - y[t]) for t in x) <= 1e-5

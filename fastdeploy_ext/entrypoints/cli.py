@@ -1,4 +1,4 @@
-"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``, ``serve``, ``plan``."""
+"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``, ``serve``, ``plan``, ``align``."""
 
 from __future__ import annotations
 
@@ -127,6 +127,31 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _cmd_align(args) -> int:
+    from fastdeploy_ext.entrypoints.align import MissingExtraError, plot_statistics, require_align_extra, run_alignment
+
+    if not args.threshold > 0:
+        print(f"error: --threshold must be > 0, got {args.threshold}", file=sys.stderr)
+        return 2
+    try:
+        require_align_extra(plot=args.plot is not None)
+        import transformers
+
+        # The HF MiniMax load report lists the decay buffers it recomputes, which are not in a checkpoint by design.
+        transformers.logging.set_verbosity_error()
+        result = run_alignment(args.model, args.prompt, args.audio, reference_dir=args.reference,
+                               threshold=args.threshold, max_model_len=args.max_model_len)
+    except (MissingExtraError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.report())
+    if args.plot:
+        plot_statistics(result.rows, result.threshold, args.plot,
+                        f"{result.arch} vs reference ({result.num_tokens} tokens)")
+        print(f"wrote {args.plot}")
+    return 0 if result.diverging is None else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastdeploy-ext", description=__doc__.split(":")[0] + ": MiniMax-M1 and "
                                 "MiDashengLM on a FastDeploy-style Paddle engine.")
@@ -171,6 +196,33 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: max_model_len)")
     pl.add_argument("--json", action="store_true", help="print the numbers as JSON")
     pl.set_defaults(func=_cmd_plan)
+
+    a = sub.add_parser(
+        "align", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="per-layer hidden states vs the reference implementation (needs the align extra)",
+        description="Teacher-force one prompt through this implementation and the reference (CPU, fp32) and print,\n"
+        "per row (embed, each decoder layer's output, final norm): mean and std of our hidden state, mean and max\n"
+        "|ours - ref|, rel err = ||ours - ref|| / ||ref||, then the first row whose rel err exceeds --threshold.\n\n"
+        "References: Qwen2 -> transformers Qwen2ForCausalLM; MiniMax-M1 / MiniMax-Text-01 / HF-native MiniMax ->\n"
+        "transformers MiniMaxForCausalLM with its RoPE patched to MiniMax's partial rotation (transformers rotates\n"
+        "the whole head; unpatched it would blame every correct full-attention layer); MiDashengLM -> the dasheng\n"
+        "encoder + the projector in torch + transformers Qwen2.\n\n"
+        'Needs the align extra: pip install -e ".[align]" (plus dasheng==0.0.9 for MiDashengLM).\n'
+        "Exit status: 0 no diverging layer, 1 a layer diverges, 2 missing dependency or bad input.")
+    a.add_argument("--model", required=True, help="checkpoint directory (our side, and the reference's unless --reference)")
+    a.add_argument("--reference", default=None, help="load the reference from this checkpoint instead of --model "
+                   "(e.g. the original when --model is a converted copy)")
+    a.add_argument("--prompt", required=True, help="prompt text; for MiDashengLM a prompt without <|AUDIO|> gets one "
+                   "audio placeholder per --audio in front")
+    a.add_argument("--audio", action="append", default=None, help="audio file for MiDashengLM (repeat for several)")
+    from fastdeploy_ext.entrypoints.align import DEFAULT_THRESHOLD
+
+    a.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"rel err above which a layer diverges (default {DEFAULT_THRESHOLD:g}; fp32 noise is ~1e-6)")
+    a.add_argument("--plot", default=None, help="write rel err per layer (log scale) to this PNG")
+    a.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt accepted (default: max_position_embeddings, at most 4096)")
+    a.set_defaults(func=_cmd_align)
     return p
 
 

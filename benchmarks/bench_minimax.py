@@ -55,18 +55,22 @@ def hf_throughput(path, prompts, new_tokens):
 
 
 def decode_ms_per_token(path, context, new_tokens=32):
+    """Median wall time of one decode step of a single sequence after a ``context``-token prefill."""
     from fastdeploy_ext import LLM, SamplingParams
 
     llm = LLM(model=path, max_model_len=context + new_tokens + 1, max_num_seqs=1, max_num_batched_tokens=8192)
+    engine = llm.llm_engine
     prompt = np.random.default_rng(1).integers(0, 500, size=context).tolist()
-    few = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
-    t = time.perf_counter()
-    llm.generate({"prompt_token_ids": prompt}, few, use_tqdm=False)
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate({"prompt_token_ids": prompt}, many, use_tqdm=False)
-    return (time.perf_counter() - t - prefill) / new_tokens * 1e3
+    (req,) = engine.add_request("decode", None, prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens + 1,
+                                                                        ignore_eos=True))
+    while not req.output_token_ids:
+        engine.step()  # the prefill
+    times = []
+    for _ in range(new_tokens):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
 
 
 def main():

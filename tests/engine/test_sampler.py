@@ -1,0 +1,83 @@
+"""Sampler math against formulas written out here (OpenAI / HF definitions), and sampling frequencies
+against the distribution they should follow."""
+
+import numpy as np
+import pytest
+
+from fastdeploy_ext import LLM, SamplingParams
+from fastdeploy_ext.engine.sampler import apply_penalties, log_softmax, sample_token, top_logprobs
+
+
+def test_log_softmax_and_top_logprobs():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(50).astype(np.float32) * 3
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+    lp = log_softmax(x[None])[0]
+    assert np.abs(lp - ref).max() < 1e-5
+    top = top_logprobs(lp, 3, extra=int(np.argmin(x)))
+    order = np.argsort(-ref)
+    assert list(top)[:3] == order[:3].tolist() and int(np.argmin(x)) in top and len(top) == 4
+
+
+def test_penalties_match_the_formulas():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal(20).astype(np.float32)
+    prompt, output = [1, 2, 2, 5], [5, 7, 7, 7]
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits.copy(), p, prompt, output)
+    want = logits.astype(np.float64).copy()
+    for t in set(prompt + output):  # HF: divide positive logits, multiply negative ones
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t in set(output):  # OpenAI: count * frequency + presence, output tokens only
+        want[t] -= output.count(t) * 0.25 + 0.5
+    assert np.abs(got - want).max() < 1e-6
+
+
+def _empirical(logits, params, draws=20000, seed=3):
+    gen = np.random.default_rng(seed)
+    counts = np.zeros(logits.size)
+    for _ in range(draws):
+        counts[sample_token(logits, params, [], [], gen, [])] += 1
+    return counts / draws
+
+
+@pytest.mark.parametrize("params,seed", [
+    (SamplingParams(temperature=0.7), 4),
+    (SamplingParams(temperature=1.3, top_k=3), 5),
+    (SamplingParams(temperature=1.0, top_p=0.8), 6),
+    (SamplingParams(temperature=1.0, min_p=0.2), 7),
+], ids=["temperature", "top_k", "top_p", "min_p"])
+def test_sampling_frequencies_follow_the_filtered_distribution(params, seed):
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], np.float32)
+    z = logits.astype(np.float64) / params.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones_like(p, dtype=bool)
+    if params.top_k:
+        keep &= np.argsort(np.argsort(-p)) < params.top_k
+    if params.top_p < 1.0:
+        order = np.argsort(-p)
+        cum_before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+        keep[order[cum_before >= params.top_p]] = False
+    if params.min_p:
+        keep &= p >= params.min_p * p.max()
+    want = np.where(keep, p, 0.0)
+    want /= want.sum()
+    got = _empirical(logits, params, seed=seed)
+    # 20k draws: the standard error of a frequency is <= 0.0036; 5 sigma.
+    assert np.abs(got - want).max() < 0.018
+    assert np.all(got[~keep] == 0)
+
+
+def test_chunked_prefill_off_and_special_tokens(tiny_qwen2_dir):
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_chunked_prefill=False)
+    assert llm.llm_engine.fd_config.scheduler_config.max_num_batched_tokens == 128
+    eos = llm.tokenizer.token_to_id("<|im_end|>")
+    only = [t for t in range(llm.llm_engine.vocab_size) if t != eos]
+    params = dict(temperature=0.0, max_tokens=3, ignore_eos=True, bad_words_token_ids=only)
+    skipped = llm.generate("hello", SamplingParams(**params), use_tqdm=False)[0].outputs
+    kept = llm.generate("hello", SamplingParams(skip_special_tokens=False, **params), use_tqdm=False)[0].outputs
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == "<|im_end|>" * 3
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        LLM(model=tiny_qwen2_dir, max_model_len=128, enable_chunked_prefill=False, max_num_batched_tokens=64)

@@ -68,16 +68,14 @@ def import_dasheng():
     torchaudio 2.11 wheel against torch 2.13+cpu fails with ``libc10_cuda.so`` missing). The fix edits the
     installed torchaudio, so it is explained rather than applied here.
     """
-    if importlib.util.find_spec("dasheng") is None:
-        raise MissingExtraError(f"MiDashengLM alignment needs the dasheng package: {INSTALL_HINT} {DASHENG_HINT}")
     try:
         from dasheng.pretrained import pretrained
     except (ImportError, OSError) as e:
         raise MissingExtraError(
-            f"dasheng is installed but cannot be imported ({e}). If torchaudio's C extensions were built for another "
-            "torch, install a matching torch/torchaudio pair or delete _torchaudio*.so, libtorchaudio*.so and "
-            "torchaudio_prefixctc*.so from torchaudio/lib (torchaudio then runs in pure Python; see "
-            "specs/midashenglm.md §10)") from None
+            f"MiDashengLM alignment needs dasheng, which cannot be imported ({e}): {INSTALL_HINT} {DASHENG_HINT}. "
+            "If dasheng is installed and torchaudio's C extensions were built for another torch, install a matching "
+            "torch/torchaudio pair or delete _torchaudio*.so, libtorchaudio*.so and torchaudio_prefixctc*.so from "
+            "torchaudio/lib (torchaudio then runs in pure Python; specs/midashenglm.md §10)") from None
     return pretrained
 
 
@@ -116,7 +114,7 @@ def hf_minimax_config(raw: dict):
             raise ValueError("transformers' MiniMax implements the post-norm residual only (config.json postnorm)")
     else:
         layer_types = raw["layer_types"]
-        factors = {k: raw[k] for k in raw if k.endswith("_alpha_factor") or k.endswith("_beta_factor")}
+        factors = {k: raw[k] for k in raw if k.endswith(("_alpha_factor", "_beta_factor"))}
         rotary_dim = int(raw["head_dim"] * raw["partial_rotary_factor"])
         theta, block = raw["rope_parameters"]["rope_theta"], raw["block_size"]
     cfg = transformers.MiniMaxConfig(
@@ -358,9 +356,9 @@ def layer_statistics(ours: list[np.ndarray], ref: list[np.ndarray], layer_types:
             raise ValueError(f"row {i}: shape {a.shape} on our side, {b.shape} on the reference's")
         diff = np.abs(a - b)
         ref_norm = np.linalg.norm(b)
-        rows.append(dict(layer=i if names is None else names[i], type=layer_types[i], mean=float(a.mean()),
-                         std=float(a.std()), mean_diff=float(diff.mean()), max_diff=float(diff.max()),
-                         rel_err=float(np.linalg.norm(a - b) / ref_norm) if ref_norm > 0 else float(diff.max())))
+        rows.append({"layer": i if names is None else names[i], "type": layer_types[i], "mean": float(a.mean()),
+                     "std": float(a.std()), "mean_diff": float(diff.mean()), "max_diff": float(diff.max()),
+                     "rel_err": float(np.linalg.norm(a - b) / ref_norm) if ref_norm > 0 else float(diff.max())})
     return rows
 
 

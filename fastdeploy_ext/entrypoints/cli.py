@@ -128,7 +128,12 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_align(args) -> int:
-    from fastdeploy_ext.entrypoints.align import MissingExtraError, plot_statistics, require_align_extra, run_alignment
+    from fastdeploy_ext.entrypoints.align import (
+        MissingExtraError,
+        plot_statistics,
+        require_align_extra,
+        run_alignment,
+    )
 
     if not args.threshold > 0:
         print(f"error: --threshold must be > 0, got {args.threshold}", file=sys.stderr)

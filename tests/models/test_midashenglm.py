@@ -1,6 +1,7 @@
 """MiDashengLM on the engine vs a composite oracle we did not write, plus chunking, batching, caching and loading.
 
-Oracle: the PyPI ``dasheng`` encoder (``Dasheng``, B = 1) with the checkpoint's weights, fed the package's per-clip
+Oracle (``fastdeploy_ext.entrypoints.align.MiDashengLMOracle``, shared with ``fastdeploy-ext align``): the PyPI
+``dasheng`` encoder (``Dasheng``, B = 1) with the checkpoint's weights, fed the package's per-clip
 log-mel features (the frontend is checked against librosa in tests/layers/test_audio_frontend.py); the projector
 written out in torch (drop T mod 5 frames, stack 5 frames, Linear-GELU-Linear); transformers ``Qwen2ForCausalLM`` with
 the merged ``inputs_embeds`` and explicit positions. Tolerances: 1e-4 on logprobs vs the oracle (fp32, two
@@ -19,11 +20,11 @@ from tests.layers.test_dasheng_encoder import import_dasheng
 from tests.oracle import check_greedy_against_oracle
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
 from fastdeploy_ext.config.base import ConfigError  # noqa: E402
-from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram  # noqa: E402
+from fastdeploy_ext.entrypoints.align import MiDashengLMOracle  # noqa: E402
 from fastdeploy_ext.layers.utils import WeightLoadError  # noqa: E402
 from fastdeploy_ext.models.midashenglm import AudioInputs, MiDashengLMModel  # noqa: E402
 from fastdeploy_ext.models.qwen2 import QWEN2_STACKED_PARAMS  # noqa: E402
@@ -67,70 +68,15 @@ def llm(tiny_dir):
     return LLM(model=tiny_dir, max_model_len=512, max_num_seqs=8)
 
 
-class CompositeOracle:
-    """dasheng encoder + torch projector + HF Qwen2, all with the checkpoint's tensors."""
-
-    def __init__(self, model_dir: str):
-        from safetensors.numpy import load_file
-
-        cfg = json.load(open(os.path.join(model_dir, "config.json")))
-        tensors = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
-        enc = cfg["audio_encoder_config"]
-        pretrained = import_dasheng()
-        self.encoder = pretrained.Dasheng(
-            embed_dim=enc["embed_dim"], depth=enc["depth"], num_heads=enc["num_heads"],
-            patch_size=tuple(enc["patch_size"]), patch_stride=tuple(enc["patch_stride"]),
-            target_length=enc["target_length"], qkv_bias=True,
-        ).eval()
-        state, used = self.encoder.state_dict(), set()
-        for name in state:
-            if name.startswith("front_end.") or name.endswith("num_batches_tracked"):
-                continue
-            ckpt = "audio_encoder." + name.replace("init_bn.1.", "init_bn.")
-            state[name] = tensors[ckpt]
-            used.add(ckpt)
-        self.encoder.load_state_dict(state)
-        self.projector = {k: tensors[f"audio_projector.net.{k}"] for k in ("0.weight", "0.bias", "2.weight", "2.bias")}
-        used |= {f"audio_projector.net.{k}" for k in self.projector}
-
-        text = cfg["text_config"]
-        hf_cfg = transformers.Qwen2Config(**{k: text[k] for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "hidden_act")},
-            rope_theta=text["rope_theta"])
-        self.decoder = transformers.Qwen2ForCausalLM(hf_cfg).eval()
-        decoder_state = {k[len("decoder."):]: v for k, v in tensors.items() if k.startswith("decoder.")}
-        if text["tie_word_embeddings"]:
-            decoder_state["lm_head.weight"] = decoder_state["model.embed_tokens.weight"]
-        self.decoder.load_state_dict(decoder_state, strict=True)
-        used |= {k for k in tensors if k.startswith("decoder.")}
-        assert used == set(tensors), f"checkpoint tensors the oracle ignores: {sorted(set(tensors) - used)}"
-
-    @torch.no_grad()
-    def audio_rows(self, wave: np.ndarray) -> torch.Tensor:
-        wave = np.pad(wave, (0, max(0, 3200 - wave.shape[0])))
-        features = torch.from_numpy(log_mel_spectrogram(wave[None]).numpy())
-        hidden = self.encoder.forward_spectrogram(self.encoder.init_bn(features[:, None]),
-                                                  x_length=torch.tensor([wave.shape[0]]))
-        groups = hidden.shape[1] // 5
-        stacked = hidden[:, : groups * 5].reshape(1, groups, -1)
-        p = self.projector
-        out = torch.nn.functional.linear(
-            torch.nn.functional.gelu(torch.nn.functional.linear(stacked, p["0.weight"], p["0.bias"])),
-            p["2.weight"], p["2.bias"])
-        return out[0, : expected_tokens(wave.shape[0])]
-
-    @torch.no_grad()
-    def logprobs(self, ids, audio_positions, rows) -> np.ndarray:
-        embeds = self.decoder.model.embed_tokens(torch.tensor([ids]))
-        embeds[0, torch.as_tensor(audio_positions)] = rows
-        logits = self.decoder(inputs_embeds=embeds, position_ids=torch.arange(len(ids))[None]).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
+def composite_oracle(model_dir: str) -> MiDashengLMOracle:
+    """The package's composite oracle, after the test-side dasheng import (torchaudio workaround, or a skip)."""
+    import_dasheng()
+    return MiDashengLMOracle(model_dir)
 
 
 @pytest.fixture(scope="module")
 def oracle(tiny_dir):
-    return CompositeOracle(tiny_dir)
+    return composite_oracle(tiny_dir)
 
 
 def expand(llm, prompt: str, clips: list):
@@ -184,7 +130,7 @@ def test_tied_head_matches_oracle(tmp_path):
     d = str(tmp_path / "tied")
     write_tiny("MiDashengLMModel", d, seed=6, text_config={"tie_word_embeddings": True})
     assert not any("lm_head" in k for k in _tensors(d))
-    oracle, llm = CompositeOracle(d), LLM(model=d, max_model_len=256)
+    oracle, llm = composite_oracle(d), LLM(model=d, max_model_len=256)
     assert llm.llm_engine.model.decoder.lm_head is None
     clips = [clip(1.5, 7)]
     _, expanded, audio = expand(llm, chat_prompt(), clips)

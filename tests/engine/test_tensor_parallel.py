@@ -291,3 +291,18 @@ def test_midashenglm_tp2_equals_tp1(tmp_path):
         assert a.outputs.token_ids == b.outputs.token_ids
         for x, y in zip(a.outputs.logprobs, b.outputs.logprobs):
             assert max(abs(x[t] - y[t]) for t in x) <= 1e-5
+
+
+def test_wint8_tp2_equals_tp1(tmp_path):
+    """Weight-only int8 under tensor parallelism: each rank holds its slice of the tp=1 codes and scales."""
+    d = str(tmp_path / "m1")
+    write_tiny("MiniMaxM1ForCausalLM", d, seed=9)
+    prompts, params = prompts_of([30, 7], 406), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(model=d, tensor_parallel_size=tp, max_model_len=128, quantization="wint8") as llm:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs[2], outs[1]):
+        assert a.outputs.token_ids == b.outputs.token_ids
+        for x, y in zip(a.outputs.logprobs, b.outputs.logprobs):
+            assert max(abs(x[t] - y[t]) for t in x) <= 1e-5

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from fastdeploy_ext.ops.lightning_attn.triton_kernels import (  # noqa: E402
+    LaunchConfig,
     lightning_attn_decode,
     lightning_attn_prefill,
 )
@@ -158,6 +159,22 @@ def test_prefill_block_sizes(block_size):
     c = case("h64_varlen")
     out, pool = run_prefill(c, precision="ieee", block_size=block_size)
     check_prefill(c, out, pool, IEEE_TOL, per_block=True)
+
+
+VARIANTS = {
+    "recompute-mask": LaunchConfig(32, 4, 1, recompute_mask=True),
+    "fold-offsets": LaunchConfig(32, 4, 1, fold_offsets=True),
+    "both-bv64": LaunchConfig(64, 4, 1, recompute_mask=True, fold_offsets=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_prefill_launch_variants(variant, precision):
+    # Every kernel variant the launch table may pick, on the varlen case with carried state.
+    c = case("h64_varlen")
+    out, pool = run_prefill(c, precision=precision, launch_config=VARIANTS[variant])
+    check_prefill(c, out, pool, IEEE_TOL if precision == "ieee" else TF32_TOL, per_block=True)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64])

@@ -47,6 +47,17 @@ def _load_chunk(base_ptr, tok, cols, i_h, H, D: tl.constexpr, valid):
 
 
 @triton.jit
+def _load_tile(base_ptr, t0, rows, cols, i_h, H: tl.constexpr, D: tl.constexpr, valid):
+    # [BT, len(cols)] rows t0 + rows of a contiguous [T, H, D] tensor. The int64 part is one scalar;
+    # the tile offsets are int32 and, with H and D constexpr, fold into load immediates, so the
+    # pointer tile costs no registers across the loop.
+    t64 = t0 + i_h.to(tl.int64) * 0  # int64 also when t0 is a Python int (interpreter)
+    base = base_ptr + (t64 * H + i_h) * D
+    offs = rows[:, None] * (H * D) + cols[None, :]
+    return tl.load(base + offs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
 def _segment_state_kernel(
     k_ptr,
     v_ptr,
@@ -138,12 +149,14 @@ def _segment_output_kernel(
     seg_ptr,  # [n_segs, 5] int32
     slot_ids_ptr,  # [B] int32
     num_slots,
-    H,
+    H: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PRECISION: tl.constexpr,
+    RECOMPUTE_MASK: tl.constexpr = False,
+    FOLD_OFFSETS: tl.constexpr = False,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -167,18 +180,29 @@ def _segment_output_kernel(
         state = tl.load(buf_ptr + (buf * H + i_h) * D * D + tile)
 
     diff = (rows[:, None] - rows[None, :]).to(tl.float32)
-    intra_decay = tl.where(rows[:, None] >= rows[None, :], tl.exp(neg_s * diff), 0.0)
+    causal = rows[:, None] >= rows[None, :]
+    if not RECOMPUTE_MASK:
+        intra_decay = tl.where(causal, tl.exp(neg_s * diff), 0.0)
     q_decay = tl.exp(neg_s * (rows + 1).to(tl.float32))
 
     for t0 in range(start, end, BT):
         m = tl.minimum(end - t0, BT)
-        tok = (t0 + rows).to(tl.int64)
         valid = rows < m
-        q = _load_chunk(q_ptr, tok, cols_d, i_h, H, D, valid)
-        k = _load_chunk(k_ptr, tok, cols_d, i_h, H, D, valid)
-        v = _load_chunk(v_ptr, tok, cols_v, i_h, H, D, valid)
+        if FOLD_OFFSETS:
+            q = _load_tile(q_ptr, t0, rows, cols_d, i_h, H, D, valid)
+            k = _load_tile(k_ptr, t0, rows, cols_d, i_h, H, D, valid)
+            v = _load_tile(v_ptr, t0, rows, cols_v, i_h, H, D, valid)
+        else:
+            tok = (t0 + rows).to(tl.int64)
+            q = _load_chunk(q_ptr, tok, cols_d, i_h, H, D, valid)
+            k = _load_chunk(k_ptr, tok, cols_d, i_h, H, D, valid)
+            v = _load_chunk(v_ptr, tok, cols_v, i_h, H, D, valid)
+        if RECOMPUTE_MASK:
+            # Recomputed every chunk (the loop-carried 0 * m keeps the compiler from hoisting it) so
+            # that the BT x BT decay matrix does not occupy registers across the loop.
+            neg_s_m = neg_s + 0.0 * m.to(tl.float32)
+            intra_decay = tl.where(causal, tl.exp(neg_s_m * diff), 0.0)
         k_decay = tl.where(valid, tl.exp(neg_s * (m - 1 - rows).to(tl.float32)), 0.0)
-        kd = k.to(tl.float32) * k_decay[:, None]
         if DOT_BF16:
             q16 = q.to(tl.bfloat16)
             v16 = v.to(tl.bfloat16)
@@ -187,17 +211,24 @@ def _segment_output_kernel(
             # Rounding the state to bf16 here would add ~1e-3 relative error on top of the bf16
             # score rounding; TF32 (exact on bf16 q) keeps the inter term near fp32 accuracy.
             o += q_decay[:, None] * tl.dot(q.to(tl.float32), state, input_precision="tf32")
+            kd = k.to(tl.float32) * k_decay[:, None]
             kv = tl.dot(tl.trans(kd.to(tl.bfloat16)), v16)
         else:
             q = q.to(tl.float32)
+            k = k.to(tl.float32)
             v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * intra_decay
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * intra_decay
             o = tl.dot(scores, v, input_precision=PRECISION)
             o += q_decay[:, None] * tl.dot(q, state, input_precision=PRECISION)
-            kv = tl.dot(tl.trans(kd), v, input_precision=PRECISION)
+            kv = tl.dot(tl.trans(k * k_decay[:, None]), v, input_precision=PRECISION)
         state = state * tl.exp(neg_s * m.to(tl.float32)) + kv
-        o_offs = (tok[:, None] * H + i_h) * D + cols_v[None, :]
-        tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+        if FOLD_OFFSETS:
+            o_base = o_ptr + ((t0 + i_h.to(tl.int64) * 0) * H + i_h) * D
+            o_offs = rows[:, None] * (H * D) + cols_v[None, :]
+            tl.store(o_base + o_offs, o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+        else:
+            o_offs = (tok[:, None] * H + i_h) * D + cols_v[None, :]
+            tl.store(o_ptr + o_offs, o.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
     if (flags & 1) != 0:
         tl.store(pool_ptr + pool_offs, state, mask=slot_ok & (tile >= 0))
@@ -247,6 +278,8 @@ class LaunchConfig:
     block_v: int
     num_warps: int
     num_stages: int = 1
+    recompute_mask: bool = False  # prefill: rebuild the BT x BT decay mask every chunk (fewer live registers)
+    fold_offsets: bool = False  # prefill: scalar int64 chunk base + int32 tile offsets instead of int64 per element
 
 
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size):
@@ -260,7 +293,12 @@ def _default_prefill_config(head_dim, dtype_name, num_heads, block_size):
     block_v = min(head_dim, 32 if num_heads >= 32 else 64)
     if block_size >= 128:
         return LaunchConfig(block_v=block_v, num_warps=8, num_stages=1)
-    return LaunchConfig(block_v=block_v, num_warps=4, num_stages=2 if dtype_name == "bfloat16" else 1)
+    bf16 = dtype_name == "bfloat16"
+    # Folded tile offsets helped only few-head bf16 (H = 8: 0.37 vs 0.54 ms); elsewhere they and the
+    # per-chunk decay mask measured 5-15 % slower or within noise (docs/benchmarks.md, 2026-11-30 sweep).
+    return LaunchConfig(
+        block_v=block_v, num_warps=4, num_stages=2 if bf16 else 1, fold_offsets=bf16 and num_heads < 32
+    )
 
 
 def _default_decode_config(head_dim):
@@ -389,6 +427,8 @@ def lightning_attn_prefill(
         BV=cfg.block_v,
         DOT_BF16=dot_bf16,
         PRECISION=precision,
+        RECOMPUTE_MASK=cfg.recompute_mask,
+        FOLD_OFFSETS=cfg.fold_offsets,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,0 +1,52 @@
+"""One-call device sweep of prefill kernel variants: median time and error vs the IEEE kernel (same inputs,
+same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16}"""
+import json, sys, time
+import torch
+from triton.testing import do_bench
+sys.path.insert(0, ".")
+from benchmarks.bench_lightning_attn import prefill_inputs, copy_bandwidth, prefill_floor_ms
+from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
+
+C = tk.LaunchConfig
+def variants(bv, w, st):
+    return [C(bv, w, st), C(bv, w, st, recompute_mask=True), C(bv, w, st, fold_offsets=True),
+            C(bv, w, st, recompute_mask=True, fold_offsets=True)]
+if sys.argv[2] == "f32":
+    CASES = [(64, torch.float32, [(64, c, None) for c in variants(32, 4, 1)]
+              + [(64, C(64, 4, 1, True, True), None), (32, C(32, 4, 2, True, True), None), (64, C(32, 8, 1, True, True), None)]),
+             (8, torch.float32, [(64, c, None) for c in variants(64, 4, 1)] + [(64, C(64, 4, 1, True, True), 1024)])]
+else:
+    CASES = [(64, torch.bfloat16, [(64, c, None) for c in variants(32, 4, 2)]),
+             (8, torch.bfloat16, [(64, c, None) for c in variants(64, 4, 2)])]
+res = dict(rows=[])
+bw = copy_bandwidth(); res["bw"] = bw
+for heads, dtype, rows in CASES:
+    torch.manual_seed(0)
+    x = prefill_inputs(heads, 32768, dtype)
+    start = x["pool"].clone()
+    ref_out = torch.empty(x["out"].shape, dtype=torch.float32, device="cuda")
+    ref_pool = start.clone()
+    qf, kf, vf = (t.float() for t in (x["q"], x["k"], x["v"]))
+    tk.lightning_attn_prefill(qf, kf, vf, x["slopes"], x["cu"], ref_pool, x["slots"], precision="ieee", out=ref_out)
+    del qf, kf, vf
+    floor = prefill_floor_ms(heads, 32768, dtype, bw)
+    cu_cpu = x["cu"].cpu().numpy()
+    for bt, cfg, seg in rows:
+        label = f"H={heads} {str(dtype)[6:]} bt={bt} {cfg} seg={seg}"
+        t = time.time()
+        try:
+            kw = dict(block_size=bt, launch_config=cfg, segment_len=seg, cu_seqlens_cpu=cu_cpu, check_slots=False, out=x["out"])
+            p2 = start.clone()
+            tk.lightning_attn_prefill(x["q"], x["k"], x["v"], x["slopes"], x["cu"], p2, x["slots"], **kw)
+            err = float((x["out"].float() - ref_out).norm() / ref_out.norm())
+            serr = float((p2 - ref_pool).norm() / ref_pool.norm())
+            p3 = start.clone()
+            fn = lambda: tk.lightning_attn_prefill(x["q"], x["k"], x["v"], x["slopes"], x["cu"], p3, x["slots"], **kw)
+            ms = do_bench(fn, warmup=25, rep=150, return_mode="median")
+            ms2 = do_bench(fn, warmup=25, rep=150, return_mode="median")
+        except Exception as exc:
+            print(label, "FAILED", type(exc).__name__, str(exc)[:200], flush=True); continue
+        res["rows"].append(dict(label=label, ms=ms, ms2=ms2, err=err, state_err=serr))
+        print(f"{label}: {ms:.3f}/{ms2:.3f} ms floor {floor:.3f} err {err:.2e} state {serr:.2e} ({time.time()-t:.0f}s)", flush=True)
+    del x; torch.cuda.empty_cache()
+json.dump(res, open(sys.argv[1], "w"), indent=1)

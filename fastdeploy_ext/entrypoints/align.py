@@ -169,22 +169,38 @@ def _expected_audio_tokens(num_samples: int) -> int:
     return max(1, ((1 + num_samples // 160) // 4) // 5)
 
 
+def _load_checkpoint_fp32(model_dir: str) -> dict:
+    """Every tensor of ``model.safetensors`` or of the shards its ``.index.json`` lists, as fp32 torch tensors
+    (safetensors' torch loader, so bf16 checkpoints load too)."""
+    import torch
+    from safetensors.torch import load_file
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(model_dir, name)))
+    return {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 class MiDashengLMOracle:
     """dasheng encoder (B = 1) + the projector written out in torch + HF ``Qwen2ForCausalLM``, all holding the
-    checkpoint's tensors; raises ``AssertionError`` if any checkpoint tensor would go unused.
+    checkpoint's tensors; raises ValueError if any checkpoint tensor would go unused.
 
     The encoder is fed the package's per-clip log-mel features (that frontend is checked against librosa in
     tests/layers/test_audio_frontend.py); everything after it is dasheng's, torch's and transformers' code.
     """
 
     def __init__(self, model_dir: str):
-        import torch
         import transformers
-        from safetensors.numpy import load_file
 
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
-        tensors = {k: torch.from_numpy(v) for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+        tensors = _load_checkpoint_fp32(model_dir)
         enc = cfg["audio_encoder_config"]
         pretrained = import_dasheng()
         self.encoder = pretrained.Dasheng(
@@ -214,7 +230,8 @@ class MiDashengLMOracle:
             decoder_state["lm_head.weight"] = decoder_state["model.embed_tokens.weight"]
         self.decoder.load_state_dict(decoder_state, strict=True)
         used |= {k for k in tensors if k.startswith("decoder.")}
-        assert used == set(tensors), f"checkpoint tensors the oracle ignores: {sorted(set(tensors) - used)}"
+        if used != set(tensors):
+            raise ValueError(f"{model_dir}: checkpoint tensors the reference would ignore: {sorted(set(tensors) - used)}")
 
     def audio_rows(self, wave: np.ndarray):
         """One 16 kHz clip ``[L]`` -> torch ``[N(L), hidden]`` projected rows."""
@@ -474,6 +491,7 @@ def run_alignment(model_dir: str, prompt: str, audio: list | None = None, refere
 
     from fastdeploy_ext import LLM
     from fastdeploy_ext.layers.audio.io import load_audio, pad_to_min_samples
+    from fastdeploy_ext.models.midashenglm import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
 
     ref_dir = reference_dir or model_dir
     # One sequence, one step: the whole prompt must fit max_num_batched_tokens.
@@ -481,20 +499,24 @@ def run_alignment(model_dir: str, prompt: str, audio: list | None = None, refere
     model = llm.llm_engine.model
     request = {"prompt": prompt}
     if is_audio_model:
-        from fastdeploy_ext.models.midashenglm import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
-
         waves = [pad_to_min_samples(load_audio(path)) for path in audio]
         if waves and AUDIO_TOKEN not in prompt:
             request["prompt"] = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(waves) + prompt
         if waves:
             request["multimodal_data"] = {"audio": waves}
     ours, ids = engine_decoder_states(llm, request)
+    stack = decoder_stack(model)
+    kinds = [("linear" if layer.is_linear else "full") if hasattr(layer, "is_linear") else "decoder"
+             for layer in stack.layers]
+    audio_id = llm.tokenizer.token_to_id(AUDIO_TOKEN) if is_audio_model else None
+    # Only the captured numpy arrays are needed from here on: release our model so that the peak is one model.
+    llm.shutdown()
+    del llm, model, stack
 
     if is_audio_model:
         import torch
 
         oracle = MiDashengLMOracle(ref_dir)
-        audio_id = llm.tokenizer.token_to_id(AUDIO_TOKEN)
         positions = [i for i, t in enumerate(ids) if t == audio_id]
         rows = (torch.cat([oracle.audio_rows(w) for w in waves]) if waves
                 else torch.zeros([0, oracle.decoder.config.hidden_size]))
@@ -507,9 +529,6 @@ def run_alignment(model_dir: str, prompt: str, audio: list | None = None, refere
         ref = hf_decoder_states(load_qwen2_oracle(ref_dir), ids)
         reference = "transformers Qwen2ForCausalLM"
 
-    stack = decoder_stack(model)
-    kinds = [("linear" if layer.is_linear else "full") if hasattr(layer, "is_linear") else "decoder"
-             for layer in stack.layers]
-    names = ["embed"] + list(range(len(stack.layers))) + ["norm"]
+    names = ["embed"] + list(range(len(kinds))) + ["norm"]
     rows = layer_statistics(ours, ref, ["embed"] + kinds + ["norm"], names)
     return AlignmentResult(arch, reference, len(ids), rows, threshold)

@@ -21,7 +21,7 @@ setup(
         "cpu": ["paddlepaddle==3.3.1"],
         "triton": ["triton==3.6.0"],
         "serve": ["fastapi", "uvicorn"],
-        "align": ["torch==2.13.0", "transformers", "matplotlib"],
+        "align": ["torch==2.13.0", "transformers", "matplotlib", "dasheng==0.0.9"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -30,6 +30,7 @@ setup(
             "triton==3.6.0",
             "librosa",
             "dasheng==0.0.9",
+            "matplotlib",
             "fastapi",
             "uvicorn",
             "openai",

@@ -37,7 +37,6 @@ import numpy as np
 DEFAULT_THRESHOLD = 1e-4
 
 INSTALL_HINT = 'pip install -e ".[align]"'
-DASHENG_HINT = "pip install dasheng==0.0.9"
 
 MINIMAX_ARCHS = ("MiniMaxM1ForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxForCausalLM")
 SUPPORTED_ARCHS = ("Qwen2ForCausalLM",) + MINIMAX_ARCHS + ("MiDashengLMModel",)
@@ -72,7 +71,7 @@ def import_dasheng():
         from dasheng.pretrained import pretrained
     except (ImportError, OSError) as e:
         raise MissingExtraError(
-            f"MiDashengLM alignment needs dasheng, which cannot be imported ({e}): {INSTALL_HINT} {DASHENG_HINT}. "
+            f"MiDashengLM alignment needs dasheng, which cannot be imported ({e}): {INSTALL_HINT} (it includes dasheng==0.0.9). "
             "If dasheng is installed and torchaudio's C extensions were built for another torch, install a matching "
             "torch/torchaudio pair or delete _torchaudio*.so, libtorchaudio*.so and torchaudio_prefixctc*.so from "
             "torchaudio/lib (torchaudio then runs in pure Python; specs/midashenglm.md §10)") from None

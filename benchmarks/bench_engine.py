@@ -26,7 +26,6 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
 
-    os.environ["FLAGS_paddle_num_threads"] = str(args.threads)
     os.environ.setdefault("GLOG_minloglevel", "2")
     import numpy as np
 
@@ -44,7 +43,8 @@ def main() -> int:
     print(f"prompt lengths (seed {args.seed}): {lengths}")
     print(f"total prompt tokens {sum(lengths)}, output tokens {args.requests * args.output_len}")
 
-    llm = LLM(model=model_dir, max_model_len=1024, max_num_seqs=args.requests, max_num_batched_tokens=2048)
+    llm = LLM(model=model_dir, max_model_len=1024, max_num_seqs=args.requests, max_num_batched_tokens=2048,
+              num_threads=args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()

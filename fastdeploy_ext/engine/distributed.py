@@ -306,11 +306,12 @@ def _worker_main(argv=None) -> int:
         import paddle
         import paddle.distributed as dist
 
-        from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model
+        from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model, set_cpu_threads
 
         paddle.set_device("cpu")
         dist.init_parallel_env()
         args = EngineArgs(**json.loads(a.engine_args))
+        set_cpu_threads(args)
         model_cls, fd_config = build_fd_config(args, rank=a.rank)
         model = build_model(model_cls, fd_config)
         conn.send(("ok", None))

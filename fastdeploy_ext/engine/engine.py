@@ -60,6 +60,21 @@ class EngineArgs:
     quantization: Any = None  # None, "wint8" | "wint4", {"method", "group_size", "skip_modules"} or a QuantConfig
     seed: int = 0
     device: str = "auto"
+    num_threads: int | None = None
+
+
+def set_cpu_threads(args: EngineArgs) -> int:
+    """Threads for Paddle's CPU kernels. Paddle uses one unless told (torch uses every core), so the
+    default is the cores divided among the tensor-parallel ranks; ``OMP_NUM_THREADS`` is respected."""
+    n = args.num_threads
+    if n is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return int(os.environ["OMP_NUM_THREADS"])
+        n = max(1, (os.cpu_count() or 1) // args.tensor_parallel_size)
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"num_threads must be a positive int, got {n!r}")
+    paddle.base.core.set_num_threads(n)
+    return n
 
 
 def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
@@ -124,6 +139,7 @@ class LLMEngine:
         args = EngineArgs(model=model, **kwargs)
         self.args = args
         paddle.set_device("cpu")
+        set_cpu_threads(args)
         tp = args.tensor_parallel_size
         launched = distributed.launched_world_size()
         rank = 0

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from fastdeploy_ext.engine.scheduler import ScheduledSeq
-from fastdeploy_ext.layers.attention import build_attention_metadata
+from fastdeploy_ext.layers.attention import build_attention_metadata, take_rows, write_rows
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 
@@ -31,9 +31,9 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         rows = num_kv_blocks * self.block_size
         dtype = fd_config.load_config.dtype
+        # Per softmax-attention layer: key and value pages, [kv_heads, num_blocks * block_size, head_dim].
         self.caches = [
-            ([paddle.zeros([rows, s.head_dim], dtype) for _ in range(s.num_kv_heads)],
-             [paddle.zeros([rows, s.head_dim], dtype) for _ in range(s.num_kv_heads)])
+            (paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype), paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype))
             for s in model.kv_cache_spec()
         ]
         spec = model.state_cache_spec()
@@ -45,7 +45,7 @@ class ModelRunner:
         self._mm_inputs: dict[str, Any] = {}
 
     def kv_cache_bytes(self) -> int:
-        return sum(int(t.numel()) * t.element_size() * 2 for k, _ in self.caches for t in k)
+        return sum(int(k.numel()) * k.element_size() * 2 for k, _ in self.caches)
 
     def state_pool_bytes(self) -> int:
         return sum(int(p.numel()) * p.element_size() for p in self.state_pool or [])
@@ -59,11 +59,11 @@ class ModelRunner:
         state ``src_slot`` into ``dst_slot`` (an ``n > 1`` sibling starts from its parent's prompt)."""
         bs = self.block_size
         offs = np.arange(bs)
-        src = paddle.to_tensor((np.asarray(src_blocks[: len(dst_blocks)])[:, None] * bs + offs).reshape(-1))
-        dst = paddle.to_tensor((np.asarray(dst_blocks)[:, None] * bs + offs).reshape(-1))
-        for k_heads, v_heads in self.caches:
-            for t in (*k_heads, *v_heads):
-                paddle.scatter_(t, dst, paddle.gather(t, src))
+        src = (np.asarray(src_blocks[: len(dst_blocks)])[:, None] * bs + offs).reshape(-1)
+        dst = (np.asarray(dst_blocks)[:, None] * bs + offs).reshape(-1)
+        for pair in self.caches:
+            for t in pair:
+                write_rows(t, dst, take_rows(t, src).transpose([1, 0, 2]))
         if self.state_pool is not None:
             self.copy_state(src_slot, dst_slot)
 

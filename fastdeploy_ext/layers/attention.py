@@ -1,19 +1,22 @@
 """Softmax attention over a paged KV cache, for padding-free batches mixing prefill and decode.
 
-Cache layout per attention layer: ``(k_cache, v_cache)``, each a list with one ``[num_blocks *
-block_size, head_dim]`` tensor per local KV head (block ``b`` occupies rows ``[b*block_size,
-(b+1)*block_size)``). A token's row is ``block_table[pos // block_size] * block_size + pos %
-block_size``, so writes are one scatter and reads one gather per head, and the gathered keys are
-already in the ``[..., L, D]`` layout the batched matmuls want: Paddle's CPU transpose of a large
-``[L, H, D]`` tensor costs more than the attention itself.
+Cache layout per attention layer: ``(k_cache, v_cache)``, each ``[kv_heads, num_blocks * block_size,
+head_dim]`` (block ``b`` occupies rows ``[b*block_size, (b+1)*block_size)`` of every head). A token's row is
+``block_table[pos // block_size] * block_size + pos % block_size``: writes are one scatter and reads one
+gather per step and layer, and gathered keys come out head-major ``[kv_heads, L, D]``, the layout one
+batched matmul over all heads wants.
 
-The runner orders a step's sequences decode-first (one token each) then prefill chunks; the
-per-step index tensors below are built once per step and shared by every attention layer.
+On CPU the gathers, scatters and head transposes run in NumPy on the tensors' own memory (DLPack,
+zero-copy): Paddle's CPU gather and transpose kernels are 3-10x slower than a memcpy, and a decode step
+gathers every cached key and value once per layer. The matmuls and the softmax stay in Paddle.
+
+The runner orders a step's sequences decode-first (one token each) then prefill chunks; the index
+arrays below are built once per step and shared by every attention layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -23,13 +26,35 @@ from paddle.utils import dlpack
 _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 
 
+def _host(t: paddle.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor's memory (None on other devices)."""
+    return np.from_dlpack(t) if t.place.is_cpu_place() else None
+
+
 def take_rows(cache: paddle.Tensor, index: np.ndarray) -> paddle.Tensor:
-    """``cache[index]`` for a host index array. On CPU this goes through NumPy on the same memory
-    (DLPack, zero-copy): ``np.take`` runs at memcpy speed, Paddle's CPU gather ~3x slower, and the
-    decode step gathers every cached key and value once per layer."""
-    if cache.place.is_cpu_place():
-        return dlpack.from_dlpack(np.take(np.from_dlpack(cache), index, axis=0))
-    return paddle.gather(cache, paddle.to_tensor(index))
+    """``cache[:, index]`` → ``[kv_heads, len(index), D]``."""
+    host = _host(cache)
+    if host is not None:
+        return dlpack.from_dlpack(np.take(host, index, axis=1))
+    return paddle.gather(cache, paddle.to_tensor(index), axis=1)
+
+
+def write_rows(cache: paddle.Tensor, index: np.ndarray, values: paddle.Tensor) -> None:
+    """``cache[:, index] = values`` in place, ``values`` ``[T, kv_heads, D]``."""
+    host = _host(cache)
+    if host is not None:
+        host[:, index] = np.from_dlpack(values.astype(cache.dtype).contiguous()).transpose(1, 0, 2)
+        return
+    with paddle.no_grad():
+        cache[:, paddle.to_tensor(index)] = values.astype(cache.dtype).transpose([1, 0, 2])
+
+
+def permute(x: paddle.Tensor, perm: list) -> paddle.Tensor:
+    """A contiguous transpose (NumPy on CPU, Paddle elsewhere)."""
+    host = _host(x.contiguous()) if x.place.is_cpu_place() else None
+    if host is not None:
+        return dlpack.from_dlpack(np.ascontiguousarray(host.transpose(perm)))
+    return x.transpose(perm)
 
 
 @dataclass
@@ -43,12 +68,19 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: paddle.Tensor  # [T] int64 cache row of every token of the step
+    slot_mapping: np.ndarray  # [T] int64 cache row of every token of the step
     num_decode: int  # the first num_decode tokens are single-token decodes
     decode_gather_index: np.ndarray | None  # [Bd * Lmax] int64 (padded with row 0)
     decode_max_len: int
-    decode_mask: paddle.Tensor | None  # [Bd, 1, Lmax] additive
+    decode_mask: np.ndarray | None  # [Bd, 1, Lmax] additive
     prefills: list
+    _tiled_masks: dict = field(default_factory=dict)
+
+    def decode_mask_for(self, kv_heads: int) -> paddle.Tensor:
+        """The decode mask repeated per KV head ``[kv_heads * Bd, 1, Lmax]`` (built once per step)."""
+        if kv_heads not in self._tiled_masks:
+            self._tiled_masks[kv_heads] = paddle.to_tensor(np.tile(self.decode_mask, (kv_heads, 1, 1)))
+        return self._tiled_masks[kv_heads]
 
 
 def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables, block_size: int,
@@ -73,17 +105,17 @@ def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables,
                 mask = paddle.to_tensor(np.where(allowed, 0.0, _NEG).astype(np.float32))
             prefills.append(PrefillSeq(q_start, n, ctx, rows, mask))
         q_start += n
-    slot_mapping = paddle.to_tensor(np.concatenate(slot_parts) if slot_parts else np.zeros([0], np.int64))
+    slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros([0], np.int64)
     dec_index = dec_mask = None
     lmax = 0
     if num_decode:
         lmax = max(dec_lens)
         idx = np.zeros([num_decode, lmax], np.int64)
-        mask = np.full([num_decode, 1, lmax], _NEG, np.float32)
+        dec_mask = np.full([num_decode, 1, lmax], _NEG, np.float32)
         for i, (rows, n) in enumerate(zip(dec_rows, dec_lens)):
             idx[i, :n] = rows
-            mask[i, ..., :n] = 0.0
-        dec_index, dec_mask = idx.reshape(-1), paddle.to_tensor(mask)
+            dec_mask[i, :, :n] = 0.0
+        dec_index = idx.reshape(-1)
     return AttentionMetadata(slot_mapping, num_decode, dec_index, lmax, dec_mask, prefills)
 
 
@@ -106,44 +138,43 @@ class Attention(nn.Layer):
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` → ``[T, Hq * D]``."""
         meta: AttentionMetadata = forward_meta.attn_metadata
         k_cache, v_cache = forward_meta.caches[self.kv_cache_index]
-        for j in range(self.num_kv_heads):
-            paddle.scatter_(k_cache[j], meta.slot_mapping, k[:, j].astype(k_cache[j].dtype))
-            paddle.scatter_(v_cache[j], meta.slot_mapping, v[:, j].astype(v_cache[j].dtype))
-        q = q.astype("float32")
-        g = self.group
-        heads = []
-        for j in range(self.num_kv_heads):
-            qj = q[:, j * g:(j + 1) * g]  # [T, g, D]: the query heads sharing KV head j
-            outs = []
-            if meta.num_decode:
-                outs.append(self._decode(qj[: meta.num_decode], k_cache[j], v_cache[j], meta))
-            for p in meta.prefills:
-                if p.ctx_start == 0:  # nothing cached before this chunk: its own keys are the context
-                    kj, vj = k[p.q_start:p.q_start + p.q_len, j], v[p.q_start:p.q_start + p.q_len, j]
-                else:
-                    kj, vj = take_rows(k_cache[j], p.gather_index), take_rows(v_cache[j], p.gather_index)
-                outs.append(self._prefill(qj[p.q_start:p.q_start + p.q_len], kj, vj, p))
-            heads.append(outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0))
-        out = heads[0] if len(heads) == 1 else paddle.concat(heads, axis=1)
+        write_rows(k_cache, meta.slot_mapping, k)
+        write_rows(v_cache, meta.slot_mapping, v)
+        # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values).
+        q = q.astype("float32") * self.scale
+        outs = []
+        if meta.num_decode:
+            outs.append(self._decode(q[: meta.num_decode], k_cache, v_cache, meta))
+        for p in meta.prefills:
+            if p.ctx_start == 0:  # nothing cached before this chunk: its own keys are the context
+                keys = permute(k[p.q_start:p.q_start + p.q_len], [1, 0, 2])
+                vals = permute(v[p.q_start:p.q_start + p.q_len], [1, 0, 2])
+            else:
+                keys, vals = take_rows(k_cache, p.gather_index), take_rows(v_cache, p.gather_index)
+            outs.append(self._prefill(q[p.q_start:p.q_start + p.q_len], keys, vals, p))
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out.reshape([q.shape[0], self.num_heads * self.head_dim])
 
     def _decode(self, q, k_cache, v_cache, meta):
-        """q ``[Bd, g, D]`` → ``[Bd, g, D]``; keys of all decodes gathered padded to ``Lmax``."""
-        bd, lmax = meta.num_decode, meta.decode_max_len
-        keys = take_rows(k_cache, meta.decode_gather_index).reshape([bd, lmax, self.head_dim]).astype("float32")
-        vals = take_rows(v_cache, meta.decode_gather_index).reshape([bd, lmax, self.head_dim]).astype("float32")
-        scores = paddle.matmul(q, keys, transpose_y=True) * self.scale  # [Bd, g, Lmax]
-        probs = nn.functional.softmax(scores + meta.decode_mask, axis=-1)
-        return paddle.matmul(probs, vals)
+        """q ``[Bd, Hq, D]`` → ``[Bd, Hq, D]``: all decodes and KV heads in one batched matmul over
+        keys gathered padded to ``Lmax``."""
+        bd, lmax, hkv, g, d = meta.num_decode, meta.decode_max_len, self.num_kv_heads, self.group, self.head_dim
+        keys = take_rows(k_cache, meta.decode_gather_index).astype("float32").reshape([hkv * bd, lmax, d])
+        vals = take_rows(v_cache, meta.decode_gather_index).astype("float32").reshape([hkv * bd, lmax, d])
+        qh = permute(q.reshape([bd, hkv, g, d]), [1, 0, 2, 3]).reshape([hkv * bd, g, d])
+        scores = paddle.matmul(qh, keys, transpose_y=True) + meta.decode_mask_for(hkv)  # [Hkv*Bd, g, Lmax]
+        out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, bd, g, d])
+        return permute(out, [1, 0, 2, 3]).reshape([bd, hkv * g, d])
 
     def _prefill(self, q, keys, vals, p: PrefillSeq):
-        """q ``[n, g, D]`` of one sequence's chunk, keys/values ``[L, D]`` of its whole context →
-        ``[n, g, D]``, causal."""
-        n, g = p.q_len, self.group
+        """q ``[n, Hq, D]`` of one sequence's chunk, keys/values ``[Hkv, L, D]`` of its whole context →
+        ``[n, Hq, D]``, causal."""
+        n, hkv, g, d = p.q_len, self.num_kv_heads, self.group, self.head_dim
         keys, vals = keys.astype("float32"), vals.astype("float32")
-        scores = paddle.matmul(q.reshape([n * g, self.head_dim]), keys, transpose_y=True) * self.scale
-        scores = scores.reshape([n, g, -1])
+        # Head-major rows [Hkv, g*n]: the mask then broadcasts over leading dims only (Paddle's fast path).
+        qh = permute(q.reshape([n, hkv, g, d]), [1, 2, 0, 3]).reshape([hkv, g * n, d])
+        scores = paddle.matmul(qh, keys, transpose_y=True)  # [Hkv, g*n, L]
         if p.mask is not None:
-            scores = scores + p.mask.unsqueeze(1)
-        probs = nn.functional.softmax(scores, axis=-1).reshape([n * g, -1])
-        return paddle.matmul(probs, vals).reshape([n, g, self.head_dim])
+            scores = (scores.reshape([hkv, g, n, -1]) + p.mask).reshape([hkv, g * n, -1])
+        out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, g, n, d])
+        return permute(out, [2, 0, 1, 3]).reshape([n, hkv * g, d])

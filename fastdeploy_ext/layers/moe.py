@@ -27,8 +27,9 @@ class FusedMoE(nn.Layer):
     - ``down_proj_weight`` ``[E, inter/tp, hidden]``.
 
     Both take ``weight_loader(param, w, shard_id, expert_id)`` with ``w`` one expert's torch-layout matrix
-    (``gate``/``up``: ``[inter, hidden]``, ``down``: ``[hidden, inter]``), sliced lazily per rank. Under wint8/wint4
-    (``fd_config.quant_config.get_moe_quant_method``) both hold codes, with ``<name>_scale`` beside them.
+    (``gate``/``up``: ``[inter, hidden]``, ``down``: ``[hidden, inter]``), sliced lazily per rank. Quantized
+    (``fd_config.quant_config.get_moe_quant_method``) both hold codes, with ``<name>_scale`` (GPTQ: also ``_zero``,
+    ``_g_idx``) beside them; :meth:`checkpoint_param` routes each tensor of a pre-quantized expert.
     """
 
     def __init__(self, fd_config, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
@@ -52,7 +53,10 @@ class FusedMoE(nn.Layer):
                 setattr(self, name, create_param(self, list(shape), compute_dtype(fd_config)))
         for name, shards in (("up_gate_proj_weight", ("gate", "up")), ("down_proj_weight", ("down",))):
             param = getattr(self, name)
-            param.weight_loader = self.weight_loader
+            if self.quant_method is None:
+                param.weight_loader = self.weight_loader
+            else:
+                param.weight_loader = self.quant_method.codes_loader(self, name)
             param.param_path = f"{prefix}.{name}"
             param.expected_shards = {f"{e}.{s}" for e in range(num_experts) for s in shards}
 
@@ -77,6 +81,17 @@ class FusedMoE(nn.Layer):
             offset = 0 if shard_id == "gate" else n
             self._place(param, loaded_weight[lo:lo + n], expert_id, offset, shard_id)
         mark_loaded(param, f"{expert_id}.{shard_id}")
+
+    def checkpoint_param(self, name: str, part: str):
+        """The parameter taking tensor ``part`` of one expert's checkpoint matrix for stacked weight ``name``:
+        ``weight`` (float, or FP8 codes) or a GPTQ/FP8 component (``qweight``, ``scales``, ``weight_scale_inv``, ...).
+        Its ``weight_loader(param, w, shard_id, expert_id)`` takes the tensor."""
+        if self.quant_method is not None:
+            return getattr(self, self.quant_method.param_name(name, part))
+        if part != "weight":
+            raise WeightLoadError(f"'{self.prefix}': an expert tensor '{part}' needs a pre-quantized checkpoint "
+                                  "(config.json quantization_config) and experts not listed in modules_to_not_convert")
+        return getattr(self, name)
 
     def _place(self, param, rows, expert_id: int, out_offset: int, shard_id: str) -> None:
         """Torch-layout ``rows`` ``[out, in]`` → output columns ``[out_offset, out_offset + out)`` of expert ``expert_id``."""

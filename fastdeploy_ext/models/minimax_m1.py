@@ -24,6 +24,7 @@ from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
+from fastdeploy_ext.quantization.methods import check_components_complete
 
 
 class MiniMaxM1MoE(nn.Layer):
@@ -147,9 +148,11 @@ MINIMAX_FULL_ATTN_PARAMS = [
     ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
     ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
 ]
-# Per-expert tensors (original: w1 = gate, w3 = up, w2 = down) or HF-native stacked ones.
+# Per-expert tensors (original: w1 = gate, w3 = up, w2 = down) or HF-native stacked ones. A per-expert matrix is
+# ``weight`` or, in a pre-quantized checkpoint, its components (GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``,
+# FP8 ``weight``/``weight_scale_inv``).
 _EXPERT_RE = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<rest>.+)$")
-_PER_EXPERT_RE = re.compile(r"^(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+_PER_EXPERT_RE = re.compile(r"^(?P<e>\d+)\.(?P<w>w[123])\.(?P<part>\w+)$")
 _W_SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -207,6 +210,7 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
             except WeightLoadError as e:
                 raise WeightLoadError(f"checkpoint tensor '{ckpt_name}': {e}") from None
             loaded.add(ckpt_name)
+        check_components_complete(self)
         check_all_loaded(self)
         return loaded
 
@@ -235,8 +239,13 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
         per_expert = _PER_EXPERT_RE.match(rest)
         if per_expert:
             shard = _W_SHARD[per_expert["w"]]
-            experts.weight_loader(down if shard == "down" else up_gate, tensor, shard, int(per_expert["e"]))
+            param = experts.checkpoint_param("down_proj_weight" if shard == "down" else "up_gate_proj_weight",
+                                             per_expert["part"])
+            param.weight_loader(param, tensor, shard, int(per_expert["e"]))
             return
+        if experts.quant_method is not None and experts.quant_method.components:
+            raise WeightLoadError(f"stacked expert tensor '{rest}' in a pre-quantized checkpoint: only per-expert "
+                                  "E.w1/w2/w3 tensors are supported there")
         e, inter, hidden = experts.num_experts, experts.intermediate_size, experts.hidden_size
         if rest == "gate_up_proj":
             _check_stacked(tensor, (e, 2 * inter, hidden))

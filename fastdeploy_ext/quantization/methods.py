@@ -16,6 +16,8 @@ method                  parameters (names match the checkpoint)           dequan
                         ``weight_scale_inv`` f32 ``[in/bi, out]``          weight_scale_inv[c // bi]``
 ======================  ===============================================  ===================================
 
+``FusedMoE`` experts (:class:`MoEQuantMethod`, any method) hold the same parameters with a leading expert dim.
+
 CPU: the layer's weight is dequantized to float32 inside the matmul (one layer at a time, never the model).
 GPU (``wint8``/``wint4`` only): Paddle's ``weight_quantize``/``weight_only_linear`` kernels; written to the
 documented API and not run on any machine here (docs/quantization.md).
@@ -69,11 +71,14 @@ def get_moe_quant_method(quant_config, layer):
     """The method for a ``FusedMoE`` layer's stacked expert weights, or None."""
     if quant_config is None or quant_config.method is None or is_skipped(layer.prefix, quant_config.skip_modules):
         return None
-    if quant_config.method not in ONLINE_METHODS:
-        raise ConfigError(f"'{layer.prefix}': pre-quantized ({quant_config.method}) MoE expert weights are not "
-                          "supported; load a bf16/fp32 checkpoint with quantization='wint8' or 'wint4', or list the "
-                          "experts in modules_to_not_convert")
-    return MoEWeightOnlyMethod(quant_config)
+    # The experts share stacked parameters, so they are quantized all or none: a skip entry naming one expert (or
+    # one of its matrices) cannot be honoured and must not be silently ignored.
+    inside = [s for s in quant_config.skip_modules if s.startswith(layer.prefix + ".")]
+    if inside:
+        raise ConfigError(f"'{layer.prefix}': modules_to_not_convert / skip_modules {inside} name part of the stacked "
+                          f"experts, which are quantized all or none (list '{layer.prefix}' to keep them all in full "
+                          "precision)")
+    return MoEQuantMethod(quant_config)
 
 
 def _gpu_kernels_available() -> bool:
@@ -120,7 +125,8 @@ class LinearQuantMethod:
             pending[self.checkpoint_name(param.quant_role)] = w
             if set(self.components) <= set(pending):
                 del layer._quant_pending[shard_id]
-                layer.weight_loader(self.weight_param(layer), self.checkpoint_source(pending, layer, shard_id), shard_id)
+                source = self.checkpoint_source(pending, _shard_name(layer, shard_id))
+                layer.weight_loader(self.weight_param(layer), source, shard_id)
 
         return load
 
@@ -137,28 +143,20 @@ class LinearQuantMethod:
         if "zero" in params:
             _assign_checked(params["zero"], block.zero.T, cols)
         if "g_idx" in params:
-            self._place_g_idx(params["g_idx"], block, shard_id)
+            self.place_g_idx(params["g_idx"], block, shard_id)
         if not self.components:
             for p in params.values():
                 mark_loaded(p, shard_id)
-
-    def _place_g_idx(self, param, block: QuantBlock, shard_id) -> None:
-        width = param.shape[0]
-        g_idx = np.arange(width) // self.group_size if block.g_idx is None else block.g_idx
-        first = not getattr(param, "g_idx_set", False)
-        if first:
-            assign(param, g_idx.astype(np.int32))
-            param.g_idx_set = True
-        elif not np.array_equal(param.numpy(), g_idx):
-            # Fused shards share one input, hence one act-order permutation; different ones cannot be fused.
-            raise WeightLoadError(f"'{param.param_path}[{shard_id}]': g_idx differs from the other shards of the fused "
-                                  "parameter")
 
     def pack(self, codes_t: np.ndarray) -> np.ndarray:
         return codes_t
 
     def dequantize(self, layer) -> paddle.Tensor:
         """The layer's float32 weight ``[in, out_local]`` as the quantized parameters define it."""
+        return self.dequantize_roles({role: getattr(layer, name) for role, name in self.roles.items()})
+
+    def dequantize_roles(self, t: dict) -> paddle.Tensor:
+        """Float32 ``[in, out]`` from the parameters of one weight matrix keyed by role (codes, scale, ...)."""
         raise NotImplementedError
 
     def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
@@ -177,12 +175,8 @@ class WeightOnlyInt8Method(LinearQuantMethod):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
         return {"codes": ("weight", [i, o], "int8"), "scale": ("weight_scale", [1, o], "float32")}
 
-    def dequantize(self, layer):
-        return self.dequantize_tensors(layer.weight, layer.weight_scale)
-
-    @staticmethod
-    def dequantize_tensors(codes, scale):
-        return codes.astype("float32") * scale
+    def dequantize_roles(self, t):
+        return t["codes"].astype("float32") * t["scale"]
 
     def apply(self, layer, x):
         if _gpu_kernels_available():
@@ -211,14 +205,11 @@ class WeightOnlyInt4Method(LinearQuantMethod):
     def pack(self, codes_t):
         return pack_nibbles(codes_t)
 
-    def dequantize(self, layer):
-        return self.dequantize_tensors(layer.weight, layer.weight_scale)
-
-    def dequantize_tensors(self, codes, scale):
-        nib = unpack_nibbles_paddle(codes)
+    def dequantize_roles(self, t):
+        nib = unpack_nibbles_paddle(t["codes"])
         i, o = nib.shape
         g = self.group_size
-        w = (nib.astype("float32") - float(INT4_ZERO)).reshape([i // g, g, o]) * scale.unsqueeze(1)
+        w = (nib.astype("float32") - float(INT4_ZERO)).reshape([i // g, g, o]) * t["scale"].unsqueeze(1)
         return w.reshape([i, o])
 
     def apply(self, layer, x):
@@ -237,8 +228,8 @@ class GPTQMethod(LinearQuantMethod):
         self.desc_act = quant_config.desc_act
         self.zero_offset = quant_config.zero_point_offset
 
-    def checkpoint_source(self, parts, layer, shard_id):
-        return GPTQSource(parts, self.group_size, self.zero_offset, self.desc_act, _shard_name(layer, shard_id))
+    def checkpoint_source(self, parts, what: str):
+        return GPTQSource(parts, self.group_size, self.zero_offset, self.desc_act, what)
 
     def param_specs(self, layer):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
@@ -248,18 +239,33 @@ class GPTQMethod(LinearQuantMethod):
         return {"codes": ("qweight", [i // 2, o], "uint8"), "scale": ("scales", [groups, o], "float32"),
                 "zero": ("qzeros", [groups, o], "float32"), "g_idx": ("g_idx", [i], "int32")}
 
-    def _place_g_idx(self, param, block, shard_id):
-        if self.group_size == -1:
-            block = QuantBlock(block.codes, block.scale, block.zero, np.zeros(param.shape[0], np.int64))
-        super()._place_g_idx(param, block, shard_id)
+    def place_g_idx(self, param, block: QuantBlock, shard_id, expert: int | None = None) -> None:
+        """Write ``g_idx`` (of ``param[expert]`` for stacked experts) from its first shard; check the others agree."""
+        width = param.shape[-1]
+        if block.g_idx is not None:
+            g_idx = block.g_idx
+        elif self.group_size == -1:
+            g_idx = np.zeros(width, np.int64)
+        else:
+            g_idx = np.arange(width) // self.group_size
+        placed = getattr(param, "g_idx_placed", None)
+        if placed is None:
+            placed = param.g_idx_placed = set()
+        if expert not in placed:
+            assign(param, g_idx.astype(np.int32), expert)
+            placed.add(expert)
+        elif not np.array_equal((param if expert is None else param[expert]).numpy(), g_idx):
+            # Fused shards share one input, hence one act-order permutation; different ones cannot be fused.
+            raise WeightLoadError(f"'{param.param_path}[{shard_id}]': g_idx differs from the other shards of the fused "
+                                  "parameter")
 
     def pack(self, codes_t):
         return pack_nibbles(codes_t)
 
-    def dequantize(self, layer):
-        nib = unpack_nibbles_paddle(layer.qweight).astype("float32")
-        g_idx = layer.g_idx.astype("int64")
-        return (nib - paddle.gather(layer.qzeros, g_idx)) * paddle.gather(layer.scales, g_idx)
+    def dequantize_roles(self, t):
+        nib = unpack_nibbles_paddle(t["codes"]).astype("float32")
+        g_idx = t["g_idx"].astype("int64")
+        return (nib - paddle.gather(t["zero"], g_idx)) * paddle.gather(t["scale"], g_idx)
 
 
 class BlockFP8Method(LinearQuantMethod):
@@ -271,69 +277,140 @@ class BlockFP8Method(LinearQuantMethod):
         self.block = tuple(quant_config.weight_block_size)
         self._table = None
 
-    def checkpoint_source(self, parts, layer, shard_id):
-        return BlockFP8Source(parts, self.block, _shard_name(layer, shard_id))
+    def checkpoint_source(self, parts, what: str):
+        return BlockFP8Source(parts, self.block, what)
 
     def param_specs(self, layer):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
         return {"codes": ("weight", [i, o], "uint8"), "scale": ("weight_scale_inv", [-(-i // self.block[1]), o], "float32")}
 
-    def dequantize(self, layer):
+    def dequantize_roles(self, t):
         if self._table is None:
             self._table = paddle.to_tensor(fp8_e4m3fn_table())
-        i, o = layer.weight.shape
-        values = paddle.gather(self._table, layer.weight.astype("int64").reshape([-1])).reshape([i, o])
-        scale = paddle.repeat_interleave(layer.weight_scale_inv, self.block[1], axis=0)[:i]
+        i, o = t["codes"].shape
+        values = paddle.gather(self._table, t["codes"].astype("int64").reshape([-1])).reshape([i, o])
+        scale = paddle.repeat_interleave(t["scale"], self.block[1], axis=0)[:i]
         return values * scale
 
 
-class MoEWeightOnlyMethod:
-    """wint8/wint4 for ``FusedMoE``'s stacked expert weights ``[E, in, out]``; parameters ``<name>`` (codes) and
-    ``<name>_scale`` for ``name`` in ``up_gate_proj_weight``, ``down_proj_weight``."""
+class MoEQuantMethod:
+    """Any linear method on ``FusedMoE``'s stacked expert weights ``[E, in, out]``: every parameter of the linear
+    method gains a leading expert dim. ``<name>`` holds the codes and ``<name>_<role>`` the rest (``_scale``; GPTQ
+    also ``_zero``, ``_g_idx``) for ``name`` in ``up_gate_proj_weight``, ``down_proj_weight``.
+
+    wint8/wint4 quantize each expert's float tensor inside ``FusedMoE.weight_loader``. A GPTQ/FP8 checkpoint has
+    several tensors per expert matrix (``E.w1.qweight``, ``E.w1.scales``, ...): :meth:`param_name` says which
+    parameter takes each, whose loader collects them until the matrix is complete and then hands a source over
+    them to ``FusedMoE.weight_loader``, which slices this rank's part exactly as it slices a float tensor."""
 
     def __init__(self, quant_config):
-        self.linear = (WeightOnlyInt8Method if quant_config.method == "wint8" else WeightOnlyInt4Method)(quant_config)
+        self.method = quant_config.method
+        self.linear = _LINEAR_METHODS[self.method](quant_config)
+        self.components = self.linear.components
 
     def create_weights(self, layer, shapes: dict) -> None:
-        """``shapes``: parameter name → full-precision ``[E, in, out]``."""
+        """``shapes``: parameter name → full-precision ``[E, in, out]`` (this rank's)."""
+        layer._quant_pending = {}
         for name, (e, i, o) in shapes.items():
-            specs = self.linear.param_specs(_Dims(f"{layer.prefix}.{name}", i, o))
+            # down_proj is row-parallel: act-order GPTQ keeps the scales of every group of the full input.
+            full_in = layer.intermediate_size if name == "down_proj_weight" else i
+            specs = self.linear.param_specs(_Dims(f"{layer.prefix}.{name}", i, o, full_in))
             for role, (_, shape, dtype) in specs.items():
-                pname = name if role == "codes" else f"{name}_scale"
+                pname = _moe_param_name(name, role)
                 param = create_param(layer, [e] + shape, dtype)
                 param.param_path = f"{layer.prefix}.{pname}"
                 param.quant_role = role
                 param.expected_shards = {f"{x}.{sid}" for x in range(e) for sid in _MOE_SHARDS[name]}
+                if role != "codes":
+                    param.weight_loader = self._component_loader(layer, name) if self.components else _computed_at_load
                 setattr(layer, pname, param)
 
+    def codes_loader(self, layer, name: str):
+        """The loader of codes parameter ``name``: the layer's own for a float checkpoint, else the collector."""
+        return self._component_loader(layer, name) if self.components else layer.weight_loader
+
+    def param_name(self, name: str, part: str) -> str:
+        """The parameter taking checkpoint tensor ``<expert>.<w>.<part>`` of stacked weight ``name``."""
+        roles = {self.linear.checkpoint_name(r): r for r in self.linear.roles} if self.components else {"weight": "codes"}
+        if part not in roles:
+            raise WeightLoadError(f"an expert tensor '{part}' is not part of a {self.method} checkpoint (expected "
+                                  f"{', '.join(sorted(roles))})")
+        return _moe_param_name(name, roles[part])
+
+    def _component_loader(self, layer, name: str):
+        def load(param, w, shard_id, expert_id):
+            part = self.linear.checkpoint_name(param.quant_role)
+            pending = layer._quant_pending.setdefault((expert_id, shard_id), {})
+            if part in pending:
+                raise WeightLoadError(f"'{param.param_path}[expert {expert_id}, {shard_id}]': '{part}' loaded twice")
+            pending[part] = w
+            # FusedMoE.weight_loader marks the codes once the matrix is placed; the other components are marked on
+            # arrival, so the strict loader reports exactly the ones that never came.
+            if param.quant_role != "codes":
+                mark_loaded(param, f"{expert_id}.{shard_id}")
+            if set(self.components) <= set(pending):
+                del layer._quant_pending[(expert_id, shard_id)]
+                source = self.linear.checkpoint_source(pending, f"{layer.prefix}.{name}[expert {expert_id}, {shard_id}]")
+                layer.weight_loader(getattr(layer, name), source, shard_id, expert_id)
+
+        return load
+
     def source(self, w, where: str):
-        return self.linear.source(w, _Dims(where, 0, 0))
+        if not self.components:
+            return self.linear.source(w, _Dims(where, 0, 0))
+        # The component loader already built the source over the checkpoint tensors.
+        if not isinstance(w, (GPTQSource, BlockFP8Source)):
+            raise WeightLoadError(f"'{where}': a pre-quantized ({self.method}) expert loads from its checkpoint "
+                                  f"tensors ({', '.join(self.components)}), not from a float tensor")
+        return w
 
     def place_expert(self, layer, param, block: QuantBlock, expert_id: int, out_offset: int, shard_id: str) -> None:
-        """Codes into ``param`` and scales into ``<param>_scale`` at output columns ``[out_offset, +rows)`` of the
-        expert; marks the scale's shard (the layer marks the codes')."""
+        """Codes, scales (and GPTQ zeros, ``g_idx``) of expert ``expert_id`` at output columns ``[out_offset, +rows)``.
+        Online methods mark the scale's shard here (the layer marks the codes')."""
         n = block.codes.shape[0]
         cols = (expert_id, slice(None), slice(out_offset, out_offset + n))
         name = param.param_path.rsplit(".", 1)[1]
-        scale = getattr(layer, f"{name}_scale")
+        params = {role: getattr(layer, _moe_param_name(name, role)) for role in self.linear.roles}
         assign(param, self.linear.pack(block.codes.T), cols)
-        _assign_checked(scale, block.scale.T, cols)
-        mark_loaded(scale, f"{expert_id}.{shard_id}")
+        _assign_checked(params["scale"], block.scale.T, cols)
+        if "zero" in params:
+            _assign_checked(params["zero"], block.zero.T, cols)
+        if "g_idx" in params:
+            self.linear.place_g_idx(params["g_idx"], block, f"{expert_id}.{shard_id}", expert_id)
+        if not self.components:
+            mark_loaded(params["scale"], f"{expert_id}.{shard_id}")
 
     def expert_weight(self, layer, name: str, expert_id: int) -> paddle.Tensor:
         """Expert ``expert_id``'s float32 ``[in, out]`` weight of stacked parameter ``name``."""
-        return self.linear.dequantize_tensors(getattr(layer, name)[expert_id], getattr(layer, f"{name}_scale")[expert_id])
+        return self.linear.dequantize_roles({role: getattr(layer, _moe_param_name(name, role))[expert_id]
+                                             for role in self.linear.roles})
 
 
 _MOE_SHARDS = {"up_gate_proj_weight": ("gate", "up"), "down_proj_weight": ("down",)}
 
 
-class _Dims:
-    """The attributes of a linear layer that ``param_specs``/``source``/``dequantize`` read, for one expert matrix."""
+def _moe_param_name(name: str, role: str) -> str:
+    return name if role == "codes" else f"{name}_{role}"
 
-    def __init__(self, prefix: str, i: int, o: int):
+
+def check_components_complete(model) -> None:
+    """Raise naming the checkpoint tensors that pre-quantized layers still wait for (a missing ``scales`` leaves its
+    shard's other tensors collected but never placed): more precise than the strict loader's unfilled shards."""
+    missing = []
+    for layer in model.sublayers():
+        for parts in getattr(layer, "_quant_pending", {}).values():
+            stem = next(iter(parts.values())).name.rsplit(".", 1)[0]
+            missing += [f"{stem}.{c}" for c in layer.quant_method.components if c not in parts]
+    if missing:
+        raise WeightLoadError(f"pre-quantized checkpoint tensor(s) missing: {', '.join(sorted(missing))}")
+
+
+class _Dims:
+    """The attributes of a linear layer that ``param_specs``/``source`` read, for one expert matrix."""
+
+    def __init__(self, prefix: str, i: int, o: int, input_size: int | None = None):
         self.prefix, self.input_size_per_partition, self.output_size_per_partition = prefix, i, o
-        self.input_size = i
+        self.input_size = i if input_size is None else input_size
 
 
 def unpack_nibbles_paddle(packed: paddle.Tensor) -> paddle.Tensor:

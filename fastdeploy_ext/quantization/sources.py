@@ -5,6 +5,9 @@ this rank holds, where they land in a fused parameter) by slicing the checkpoint
 ``w[:, cols]``. A source here stands in for the float tensor: slicing it returns a :class:`QuantBlock` (codes,
 scales, zero points of exactly those rows/columns), so every layout rule lives in one place and scales are
 sharded with their rows and columns by construction.
+
+An error about one checkpoint tensor (a scales shape that contradicts the group size, a wrong dtype) names that
+tensor as the checkpoint spells it; ``what`` names the layer shard being loaded, for slicing errors.
 """
 
 from __future__ import annotations
@@ -116,25 +119,25 @@ class GPTQSource:
         for part, want in (("qweight", "I32"), ("qzeros", "I32")):
             got = getattr(self, part).st_dtype
             if got != want:
-                raise WeightLoadError(f"'{what}.{part}': stored as {got}, GPTQ packs 4-bit values in int32")
+                raise WeightLoadError(f"'{getattr(self, part).name}': stored as {got}, GPTQ packs 4-bit values in int32")
         in8, out = self.qweight.shape
         width = in8 * 8
         groups = self.scales.shape[0]
         self.group = width if group_size == -1 else group_size
         if self.scales.shape != (-(-width // self.group), out):
             raise WeightLoadError(
-                f"'{what}.scales' has shape {list(self.scales.shape)}: with input width {width} and quantization_config "
+                f"'{self.scales.name}' has shape {list(self.scales.shape)}: with input width {width} and quantization_config "
                 f"group_size {group_size} it must be [{-(-width // self.group)}, {out}] (group size mismatch)")
         if self.qzeros.shape != (groups, out // 8) or out % 8:
-            raise WeightLoadError(f"'{what}.qzeros' has shape {list(self.qzeros.shape)}, expected [{groups}, {out // 8}]")
+            raise WeightLoadError(f"'{self.qzeros.name}' has shape {list(self.qzeros.shape)}, expected [{groups}, {out // 8}]")
         if self.g_idx_t.shape != (width,):
-            raise WeightLoadError(f"'{what}.g_idx' has shape {list(self.g_idx_t.shape)}, expected [{width}]")
+            raise WeightLoadError(f"'{self.g_idx_t.name}' has shape {list(self.g_idx_t.shape)}, expected [{width}]")
         self.shape = (out, width)
         g_idx = np.asarray(self.g_idx_t.array(), np.int64)
         if g_idx.min() < 0 or g_idx.max() >= groups:
-            raise WeightLoadError(f"'{what}.g_idx' refers to groups outside [0, {groups})")
+            raise WeightLoadError(f"'{self.g_idx_t.name}' refers to groups outside [0, {groups})")
         if not desc_act and not np.array_equal(g_idx, np.arange(width) // self.group):
-            raise WeightLoadError(f"'{what}.g_idx' is not column // group_size but quantization_config has desc_act false")
+            raise WeightLoadError(f"'{self.g_idx_t.name}' is not column // group_size but quantization_config has desc_act false")
         # None: contiguous groups, which a row-parallel slice may cut to its own.
         self.g_idx = g_idx if desc_act else None
 
@@ -169,11 +172,11 @@ class BlockFP8Source:
         self.weight = RawTensor.of(parts["weight"], f"{what}.weight")
         self.scale_inv = RawTensor.of(parts["weight_scale_inv"], f"{what}.weight_scale_inv")
         if self.weight.st_dtype != "F8_E4M3":
-            raise WeightLoadError(f"'{what}.weight' is stored as {self.weight.st_dtype}; quant_method 'fp8' needs F8_E4M3")
+            raise WeightLoadError(f"'{self.weight.name}' is stored as {self.weight.st_dtype}; quant_method 'fp8' needs F8_E4M3")
         out, width = self.weight.shape
         want = (-(-out // self.bo), -(-width // self.bi))
         if self.scale_inv.shape != want:
-            raise WeightLoadError(f"'{what}.weight_scale_inv' has shape {list(self.scale_inv.shape)}; weight "
+            raise WeightLoadError(f"'{self.scale_inv.name}' has shape {list(self.scale_inv.shape)}; weight "
                                   f"[{out}, {width}] with weight_block_size [{self.bo}, {self.bi}] needs {list(want)}")
         self.shape = (out, width)
 

@@ -123,3 +123,61 @@ def _check_qkv(full, part, heads, kv, d, tp, rank):
     cols = np.r_[q_cols, heads * d + kv_cols, (heads + kv) * d + kv_cols]
     for name, p in part.items():
         np.testing.assert_array_equal(p, full[name][:, cols], err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["gptq-g16", "gptq-g16-actorder", "fp8-block32x16"])
+def test_prequantized_expert_rank_shards_equal_sliced_tp1(case, tmp_path):
+    """GPTQ/FP8 experts at tp=2 and tp=4 (loading only): each rank's dequantized expert weights are the tp=1 ones
+    sliced (gate/up columns, down rows; act-order keeps every group of the row-parallel down's full input; an FP8
+    row block of 32 is split between ranks at tp=4)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from fastdeploy_ext.quantization.numerics import RawTensor
+    from tests.quantization.test_checkpoints import fp8_tensors, gptq_tensors
+
+    rng = np.random.default_rng(1)
+    h, inter, n_exp = 64, 64, 2
+    desc_act = case.endswith("actorder")
+    if case.startswith("gptq"):
+        quant = QuantConfig("gptq", 16, desc_act=desc_act, zero_point_offset=1)
+    else:
+        quant = QuantConfig("fp8", weight_block_size=(32, 16))
+
+    def export(w, seed):
+        if case.startswith("gptq"):
+            parts = gptq_tensors(w, 16, seed, desc_act, v1=True)[0]
+            return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in parts.items()}
+        return fp8_tensors(w, (32, 16), rng)[0]
+
+    tensors = {}
+    for e in range(n_exp):
+        for w_name, shape in (("w1", (inter, h)), ("w3", (inter, h)), ("w2", (h, inter))):
+            # Seeded by expert: w1 and w3 share the act-order permutation, as they share their input.
+            parts = export(rng.standard_normal(shape).astype(np.float32), e)
+            tensors.update({f"{e}.{w_name}.{k}": v for k, v in parts.items()})
+    path = str(tmp_path / "experts.safetensors")
+    save_file(tensors, path)
+
+    def load(tp, rank):
+        fd = FDConfig(model_config=None, parallel_config=ParallelConfig(tp, rank), quant_config=quant)
+        moe = FusedMoE(fd, h, inter, n_exp, 1, prefix="experts")
+        for key in tensors:
+            e, w_name, part = key.split(".")
+            shard = {"w1": "gate", "w3": "up", "w2": "down"}[w_name]
+            param = moe.checkpoint_param("down_proj_weight" if shard == "down" else "up_gate_proj_weight", part)
+            param.weight_loader(param, RawTensor(path, key), shard, int(e))
+        assert not moe._quant_pending
+        return {(name, e): moe.quant_method.expert_weight(moe, name, e).numpy()
+                for name in ("up_gate_proj_weight", "down_proj_weight") for e in range(n_exp)}
+
+    full = load(1, 0)
+    for tp in (2, 4):
+        n = inter // tp
+        for rank in range(tp):
+            for (name, e), w in load(tp, rank).items():
+                if name == "up_gate_proj_weight":
+                    want = full[name, e][:, np.r_[rank * n:(rank + 1) * n, inter + rank * n:inter + (rank + 1) * n]]
+                else:
+                    want = full[name, e][rank * n:(rank + 1) * n]
+                np.testing.assert_array_equal(w, want, err_msg=f"{case} tp={tp} rank={rank} {name}[{e}]")

@@ -190,6 +190,14 @@ class DistributedRunner:
                     code = self._procs[rank].wait(timeout=5)
                     self._fail(what, rank, f"exited with code {code}")
                 if status != "ok":
+                    # A peer that died mid-collective makes the survivors fail with a transport error;
+                    # name the dead rank, which is the cause.
+                    deadline_dead = time.monotonic() + 2.0
+                    while time.monotonic() < deadline_dead:
+                        for other, p in enumerate(self._procs):
+                            if other != rank and p.poll() is not None:
+                                self._fail(what, other, f"exited with code {p.returncode} (rank {rank} then reported: {payload})")
+                        time.sleep(0.05)
                     self._fail(what, rank, payload)
                 replies[rank] = payload
             dead = self._dead_rank()

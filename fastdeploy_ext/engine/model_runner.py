@@ -83,8 +83,10 @@ class ModelRunner:
             if s.multimodal_inputs is not None:
                 self._mm_inputs.setdefault(s.request_id, s.multimodal_inputs)
             s.multimodal_inputs = self._mm_inputs.get(s.request_id)
-        # Decodes (one new token) first, then multi-token prefill chunks: attention batches the former.
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) > 1)
+        # Decodes (one new token) first, by context length (attention groups similar lengths), then
+        # multi-token prefill chunks in their scheduled order.
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].token_ids) > 1,
+                                                        seqs[i].start if len(seqs[i].token_ids) == 1 else 0))
         ordered = [seqs[i] for i in order]
         num_decode = sum(1 for s in ordered if len(s.token_ids) == 1)
 

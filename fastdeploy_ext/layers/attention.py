@@ -39,6 +39,19 @@ def take_rows(cache: paddle.Tensor, index: np.ndarray) -> paddle.Tensor:
     return paddle.gather(cache, paddle.to_tensor(index), axis=1)
 
 
+def take_blocks(cache: paddle.Tensor, blocks: np.ndarray, block_size: int) -> paddle.Tensor:
+    """Whole pages ``blocks`` of every head → ``[kv_heads, len(blocks) * block_size, D]``. Copying
+    contiguous pages instead of scattered 256-byte rows keeps the gather at memcpy speed however
+    fragmented the page pool has become."""
+    hkv, rows, d = cache.shape
+    host = _host(cache)
+    if host is not None:
+        pages = np.take(host.reshape(hkv, rows // block_size, block_size * d), blocks, axis=1)
+        return dlpack.from_dlpack(pages.reshape(hkv, len(blocks) * block_size, d))
+    pages = paddle.gather(cache.reshape([hkv, rows // block_size, block_size * d]), paddle.to_tensor(blocks), axis=1)
+    return pages.reshape([hkv, len(blocks) * block_size, d])
+
+
 def write_rows(cache: paddle.Tensor, index: np.ndarray, values: paddle.Tensor) -> None:
     """``cache[:, index] = values`` in place, ``values`` ``[T, kv_heads, D]``."""
     host = _host(cache)
@@ -62,25 +75,61 @@ class PrefillSeq:
     q_start: int
     q_len: int
     ctx_start: int  # tokens already in the cache before this chunk
-    gather_index: np.ndarray  # [ctx_start + q_len] cache rows of the whole context
+    blocks: np.ndarray  # page ids holding the whole context [0, ctx_start + q_len)
     mask: paddle.Tensor | None  # [q_len, ctx_start + q_len] additive causal mask; None when q_len == 1
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes ``[start, start + count)`` of the step, their keys gathered padded to ``max_len``."""
+
+    start: int
+    count: int
+    max_len: int  # a multiple of the block size
+    blocks: np.ndarray  # [count * max_len / block_size] int64 page ids (padded with page 0)
+    mask: np.ndarray  # [count, 1, max_len] additive
+    _tiled: dict = field(default_factory=dict)
+
+    def mask_for(self, kv_heads: int) -> paddle.Tensor:
+        """The mask repeated per KV head ``[kv_heads * count, 1, max_len]`` (built once per step)."""
+        if kv_heads not in self._tiled:
+            self._tiled[kv_heads] = paddle.to_tensor(np.tile(self.mask, (kv_heads, 1, 1)))
+        return self._tiled[kv_heads]
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: np.ndarray  # [T] int64 cache row of every token of the step
     num_decode: int  # the first num_decode tokens are single-token decodes
-    decode_gather_index: np.ndarray | None  # [Bd * Lmax] int64 (padded with row 0)
-    decode_max_len: int
-    decode_mask: np.ndarray | None  # [Bd, 1, Lmax] additive
+    decode_groups: list
     prefills: list
-    _tiled_masks: dict = field(default_factory=dict)
+    block_size: int
 
-    def decode_mask_for(self, kv_heads: int) -> paddle.Tensor:
-        """The decode mask repeated per KV head ``[kv_heads * Bd, 1, Lmax]`` (built once per step)."""
-        if kv_heads not in self._tiled_masks:
-            self._tiled_masks[kv_heads] = paddle.to_tensor(np.tile(self.decode_mask, (kv_heads, 1, 1)))
-        return self._tiled_masks[kv_heads]
+
+# A decode group costs its padded key rows plus a fixed overhead worth about this many rows.
+_GROUP_OVERHEAD_ROWS = 2048
+# Prefill queries are processed in tiles of this many rows: tile [a, b) needs keys [0, ctx + b) only,
+# which nearly halves the causal work (and the softmax, Paddle's slowest CPU kernel here) of long prompts.
+_PREFILL_TILE = 128
+
+
+def group_decodes(lengths) -> list:
+    """Split decodes (ordered by context length) into consecutive groups minimising padded rows +
+    overhead: one padded batch wastes up to 2x on a mix of short and long contexts."""
+    lengths = np.asarray(lengths)
+    n = len(lengths)
+    best = np.full(n + 1, np.inf)
+    best[0], cut = 0.0, np.zeros(n + 1, np.int64)
+    for j in range(1, n + 1):
+        i = np.arange(j)
+        cost = best[:j] + (j - i) * np.maximum.accumulate(lengths[:j][::-1])[::-1] + _GROUP_OVERHEAD_ROWS
+        cut[j] = int(np.argmin(cost))
+        best[j] = cost[cut[j]]
+    bounds, j = [], n
+    while j > 0:
+        bounds.append((int(cut[j]), j))
+        j = int(cut[j])
+    return bounds[::-1]
 
 
 def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables, block_size: int,
@@ -92,31 +141,30 @@ def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables,
     for b, (n, ctx) in enumerate(zip(seq_lens_this_time, seq_lens_decoder)):
         n, ctx = int(n), int(ctx)
         total = ctx + n
-        pos = np.arange(total)
-        rows = block_tables[b][pos // block_size].astype(np.int64) * block_size + pos % block_size
-        slot_parts.append(rows[ctx:])
+        pos = np.arange(ctx, total)
+        slot_parts.append(block_tables[b][pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        pages = block_tables[b][: -(-total // block_size)].astype(np.int64)
         if b < num_decode:
-            dec_rows.append(rows)
+            dec_rows.append(pages)
             dec_lens.append(total)
         else:
             mask = None
             if n > 1:
                 allowed = np.arange(total)[None, :] <= (ctx + np.arange(n))[:, None]
                 mask = paddle.to_tensor(np.where(allowed, 0.0, _NEG).astype(np.float32))
-            prefills.append(PrefillSeq(q_start, n, ctx, rows, mask))
+            prefills.append(PrefillSeq(q_start, n, ctx, pages, mask))
         q_start += n
     slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros([0], np.int64)
-    dec_index = dec_mask = None
-    lmax = 0
-    if num_decode:
-        lmax = max(dec_lens)
-        idx = np.zeros([num_decode, lmax], np.int64)
-        dec_mask = np.full([num_decode, 1, lmax], _NEG, np.float32)
-        for i, (rows, n) in enumerate(zip(dec_rows, dec_lens)):
-            idx[i, :n] = rows
-            dec_mask[i, :, :n] = 0.0
-        dec_index = idx.reshape(-1)
-    return AttentionMetadata(slot_mapping, num_decode, dec_index, lmax, dec_mask, prefills)
+    groups = []
+    for lo, hi in group_decodes(dec_lens) if num_decode else []:
+        nblk = -(-max(dec_lens[lo:hi]) // block_size)
+        idx = np.zeros([hi - lo, nblk], np.int64)
+        mask = np.full([hi - lo, 1, nblk * block_size], _NEG, np.float32)
+        for i in range(lo, hi):
+            idx[i - lo, : len(dec_rows[i])] = dec_rows[i]
+            mask[i - lo, :, : dec_lens[i]] = 0.0
+        groups.append(DecodeGroup(lo, hi - lo, nblk * block_size, idx.reshape(-1), mask))
+    return AttentionMetadata(slot_mapping, num_decode, groups, prefills, block_size)
 
 
 class Attention(nn.Layer):
@@ -142,39 +190,52 @@ class Attention(nn.Layer):
         write_rows(v_cache, meta.slot_mapping, v)
         # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values).
         q = q.astype("float32") * self.scale
-        outs = []
-        if meta.num_decode:
-            outs.append(self._decode(q[: meta.num_decode], k_cache, v_cache, meta))
+        outs = [self._decode(q[g.start:g.start + g.count], k_cache, v_cache, g, meta.block_size)
+                for g in meta.decode_groups]
         for p in meta.prefills:
             if p.ctx_start == 0:  # nothing cached before this chunk: its own keys are the context
                 keys = permute(k[p.q_start:p.q_start + p.q_len], [1, 0, 2])
                 vals = permute(v[p.q_start:p.q_start + p.q_len], [1, 0, 2])
             else:
-                keys, vals = take_rows(k_cache, p.gather_index), take_rows(v_cache, p.gather_index)
+                total = p.ctx_start + p.q_len
+                keys = take_blocks(k_cache, p.blocks, meta.block_size)[:, :total]
+                vals = take_blocks(v_cache, p.blocks, meta.block_size)[:, :total]
             outs.append(self._prefill(q[p.q_start:p.q_start + p.q_len], keys, vals, p))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out.reshape([q.shape[0], self.num_heads * self.head_dim])
 
-    def _decode(self, q, k_cache, v_cache, meta):
-        """q ``[Bd, Hq, D]`` → ``[Bd, Hq, D]``: all decodes and KV heads in one batched matmul over
-        keys gathered padded to ``Lmax``."""
-        bd, lmax, hkv, g, d = meta.num_decode, meta.decode_max_len, self.num_kv_heads, self.group, self.head_dim
-        keys = take_rows(k_cache, meta.decode_gather_index).astype("float32").reshape([hkv * bd, lmax, d])
-        vals = take_rows(v_cache, meta.decode_gather_index).astype("float32").reshape([hkv * bd, lmax, d])
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup, block_size: int):
+        """q ``[Bd, Hq, D]`` → ``[Bd, Hq, D]``: a group of decodes and all KV heads in one batched matmul
+        over keys gathered padded to the group's ``max_len``."""
+        bd, lmax, hkv, g, d = group.count, group.max_len, self.num_kv_heads, self.group, self.head_dim
+        keys = take_blocks(k_cache, group.blocks, block_size).astype("float32").reshape([hkv * bd, lmax, d])
+        vals = take_blocks(v_cache, group.blocks, block_size).astype("float32").reshape([hkv * bd, lmax, d])
         qh = permute(q.reshape([bd, hkv, g, d]), [1, 0, 2, 3]).reshape([hkv * bd, g, d])
-        scores = paddle.matmul(qh, keys, transpose_y=True) + meta.decode_mask_for(hkv)  # [Hkv*Bd, g, Lmax]
+        scores = paddle.matmul(qh, keys, transpose_y=True) + group.mask_for(hkv)  # [Hkv*Bd, g, Lmax]
         out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, bd, g, d])
         return permute(out, [1, 0, 2, 3]).reshape([bd, hkv * g, d])
 
     def _prefill(self, q, keys, vals, p: PrefillSeq):
         """q ``[n, Hq, D]`` of one sequence's chunk, keys/values ``[Hkv, L, D]`` of its whole context →
-        ``[n, Hq, D]``, causal."""
-        n, hkv, g, d = p.q_len, self.num_kv_heads, self.group, self.head_dim
+        ``[n, Hq, D]``, causal; query tiles ``[a, b)`` see keys ``[0, ctx + b)`` only."""
         keys, vals = keys.astype("float32"), vals.astype("float32")
+        outs = []
+        for a in range(0, p.q_len, _PREFILL_TILE):
+            b = min(a + _PREFILL_TILE, p.q_len)
+            visible = p.ctx_start + b
+            tile_keys = keys if visible == keys.shape[1] else keys[:, :visible]
+            tile_vals = vals if visible == vals.shape[1] else vals[:, :visible]
+            mask = None if p.mask is None else p.mask[a:b, :visible]
+            outs.append(self._attend(q[a:b], tile_keys, tile_vals, mask))
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+    def _attend(self, q, keys, vals, mask):
+        """q ``[n, Hq, D]`` vs keys/values ``[Hkv, L, D]`` with an additive ``[n, L]`` mask → ``[n, Hq, D]``."""
+        n, hkv, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         # Head-major rows [Hkv, g*n]: the mask then broadcasts over leading dims only (Paddle's fast path).
         qh = permute(q.reshape([n, hkv, g, d]), [1, 2, 0, 3]).reshape([hkv, g * n, d])
         scores = paddle.matmul(qh, keys, transpose_y=True)  # [Hkv, g*n, L]
-        if p.mask is not None:
-            scores = (scores.reshape([hkv, g, n, -1]) + p.mask).reshape([hkv, g * n, -1])
+        if mask is not None:
+            scores = (scores.reshape([hkv, g, n, -1]) + mask).reshape([hkv, g * n, -1])
         out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, g, n, d])
         return permute(out, [2, 0, 1, 3]).reshape([n, hkv * g, d])

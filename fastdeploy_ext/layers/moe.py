@@ -113,23 +113,24 @@ class FusedMoE(nn.Layer):
         top_w, top_i = paddle.topk(probs, self.top_k, axis=-1)
         if self.renormalize:
             top_w = top_w / paddle.sum(top_w, axis=-1, keepdim=True)
-        # Group the T*k (token, expert) pairs by expert: one matmul pair per expert that got tokens.
-        flat_expert = top_i.reshape([-1])
-        order = paddle.argsort(flat_expert, stable=True)
-        tokens = paddle.gather(paddle.arange(t, dtype="int64").unsqueeze(1).expand([t, self.top_k]).reshape([-1]), order)
-        weights = paddle.gather(top_w.reshape([-1]), order).unsqueeze(1)
-        counts = np.bincount(flat_expert.numpy(), minlength=self.num_experts)
-        out = paddle.zeros([t, self.hidden_size], dtype="float32")
-        start = 0
+        # Group the T*k (token, expert) pairs by expert on the host (the routing is tiny), gather every
+        # routed row once, run one matmul pair per expert that got tokens, and add back in one op.
+        flat_expert = top_i.reshape([-1]).numpy()
+        order = np.argsort(flat_expert, kind="stable")
+        tokens = paddle.to_tensor(order // self.top_k)
+        weights = paddle.gather(top_w.reshape([-1]), paddle.to_tensor(order)).unsqueeze(1)
+        counts = np.bincount(flat_expert, minlength=self.num_experts)
+        rows = paddle.gather(x, tokens)
+        ys, start = [], 0
         for e, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
-            idx = tokens[start:start + count]
-            up_gate = paddle.matmul(paddle.gather(x, idx), self._expert_weight("up_gate_proj_weight", e))
-            g, u = paddle.split(up_gate, 2, axis=-1)
-            y = paddle.matmul(nn.functional.silu(g) * u, self._expert_weight("down_proj_weight", e))
-            out = paddle.index_add(out, idx, 0, y.astype("float32") * weights[start:start + count])
+            # up_gate_proj_weight holds the gate columns first: swiglu(a) = silu(a[:, :I]) * a[:, I:].
+            act = nn.functional.swiglu(paddle.matmul(rows[start:start + count], self._expert_weight("up_gate_proj_weight", e)))
+            ys.append(paddle.matmul(act, self._expert_weight("down_proj_weight", e)))
             start += count
+        y = ys[0] if len(ys) == 1 else paddle.concat(ys, axis=0)
+        out = paddle.index_add(paddle.zeros([t, self.hidden_size], dtype="float32"), tokens, 0, y.astype("float32") * weights)
         out = out.astype(x.dtype)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.fd_config)

@@ -54,3 +54,34 @@ def check_greedy_against_oracle(generate_fn, oracle_fn, prompt_ids, max_tokens, 
                 break
             prefix = prefix + tokens
     return produced, ties, worst
+
+
+def engine_greedy(llm, k=3):
+    """``generate_fn`` for :func:`check_greedy_against_oracle`: greedy tokens and top-``k`` logprobs."""
+    from fastdeploy_ext import SamplingParams
+
+    def run(ids, n):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=k)
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs
+        return out.token_ids, out.logprobs
+
+    return run
+
+
+def assert_same_outputs(outs, refs, atol=1e-5):
+    """Engine vs engine: identical prompts and tokens, logprobs (and prompt logprobs) within ``atol``."""
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert o.prompt_token_ids == r.prompt_token_ids
+        assert o.outputs.token_ids == r.outputs.token_ids
+        for a, b in zip(o.outputs.logprobs or [], r.outputs.logprobs or []):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= atol
+        if r.prompt_logprobs is not None:
+            for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
+                assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= atol
+
+
+def random_prompts(lengths, seed, vocab=500):
+    """``{"prompt_token_ids": ...}`` prompts of the given lengths from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, vocab, size=n).tolist()} for n in lengths]

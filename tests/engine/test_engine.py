@@ -4,11 +4,9 @@ import numpy as np
 import pytest
 
 from fastdeploy_ext import LLM, SamplingParams
+from tests.oracle import assert_same_outputs as assert_same
+from tests.oracle import random_prompts as prompts_of
 
-
-def prompts_of(lengths, seed, vocab=500):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(0, vocab, size=n).tolist()} for n in lengths]
 
 
 MIXED_LENGTHS = [5, 40, 1, 77, 13, 120, 9, 33, 64, 2, 90, 17]
@@ -23,13 +21,6 @@ def alone(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, max_model_len=256, max_num_seqs=1)
     return [llm.generate(p, g, use_tqdm=False)[0] for p, g in zip(prompts_of(MIXED_LENGTHS, 101), GREEDY)]
 
-
-def assert_same(outs, ref, atol=1e-5):
-    for o, r in zip(outs, ref):
-        assert o.outputs.token_ids == r.outputs.token_ids
-        for a, b in zip(o.outputs.logprobs, r.outputs.logprobs):
-            assert a.keys() == b.keys()
-            assert max(abs(a[t] - b[t]) for t in a) <= atol
 
 
 def test_batch_invariance_with_queueing(tiny_qwen2_dir, alone):

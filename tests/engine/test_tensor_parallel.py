@@ -17,15 +17,12 @@ from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.engine.engine import EngineArgs, RankFailure, build_fd_config, build_model
 from fastdeploy_ext.layers.utils import shape_only_loading
 from fastdeploy_ext.tiny import write_tiny
+from tests.oracle import random_prompts as prompts_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M1_DIR = os.path.join(ROOT, "configs", "models", "MiniMax-M1")
 M1_INDEX = "/work/shared/models/MiniMax-M1/model.safetensors.index.json"
 
-
-def prompts_of(lengths, seed, vocab=500):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(0, vocab, size=n).tolist()} for n in lengths]
 
 
 LENGTHS = [3, 70, 1, 41, 12, 90]

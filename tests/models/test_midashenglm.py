@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests.layers.test_dasheng_encoder import import_dasheng
+from tests.oracle import assert_same_outputs as assert_same
 from tests.oracle import check_greedy_against_oracle
 
 torch = pytest.importorskip("torch")
@@ -148,16 +149,6 @@ def count_encoded_clips(model):
     handle = model.audio_encoder.register_forward_post_hook(lambda layer, inputs, outputs: calls.append(inputs[0].shape[0]))
     return calls, handle
 
-
-def assert_same(outs, refs, atol=1e-5):
-    for o, r in zip(outs, refs):
-        assert o.prompt_token_ids == r.prompt_token_ids
-        assert o.outputs.token_ids == r.outputs.token_ids
-        for a, b in zip(o.outputs.logprobs, r.outputs.logprobs):
-            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= atol
-        if r.prompt_logprobs is not None:
-            for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:]):
-                assert max(abs(a[t] - b[t]) for t in a) <= atol
 
 
 @pytest.mark.parametrize("chunk", [7, 16], ids=lambda c: f"chunk{c}")

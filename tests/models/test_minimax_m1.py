@@ -30,7 +30,9 @@ from tests.minimax_oracle import (  # noqa: E402
     oracle_hidden_states,
     oracle_logprobs,
 )
+from tests.oracle import assert_same_outputs as assert_same  # noqa: E402
 from tests.oracle import check_greedy_against_oracle  # noqa: E402
+from tests.oracle import engine_greedy as greedy_fn  # noqa: E402
 
 FORMATS = {"original": "MiniMaxM1ForCausalLM", "hf_native": "MiniMaxForCausalLM"}
 REAL_M1_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "MiniMax-M1", "config.json")
@@ -44,14 +46,6 @@ def random_prompt(length, seed):
 def prompts_of(lengths, seed):
     return [{"prompt_token_ids": random_prompt(n, seed + i)} for i, n in enumerate(lengths)]
 
-
-def greedy_fn(llm, k=3):
-    def run(ids, n):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=k)
-        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs
-        return out.token_ids, out.logprobs
-
-    return run
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -143,13 +137,6 @@ def alone(m1_dir):
     llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=1)
     return [llm.generate(p, g, use_tqdm=False)[0] for p, g in zip(prompts_of(MIXED_LENGTHS, 101), GREEDY)]
 
-
-def assert_same(outs, ref, atol=1e-5):
-    for o, r in zip(outs, ref):
-        assert o.outputs.token_ids == r.outputs.token_ids
-        for a, b in zip(o.outputs.logprobs, r.outputs.logprobs):
-            assert a.keys() == b.keys()
-            assert max(abs(a[t] - b[t]) for t in a) <= atol
 
 
 def test_batch_invariance_with_queueing(m1_dir, alone):

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.oracle import check_greedy_against_oracle, hf_logprobs
+from tests.oracle import check_greedy_against_oracle, engine_greedy as greedy_fn, hf_logprobs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,14 +22,6 @@ def load_hf(path):
     model = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
 
-
-def greedy_fn(llm, k=3):
-    def run(ids, n):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=k)
-        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs
-        return out.token_ids, out.logprobs
-
-    return run
 
 
 @pytest.fixture(scope="module")

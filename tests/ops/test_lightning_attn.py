@@ -6,30 +6,17 @@ import pytest
 
 from fastdeploy_ext.ops.lightning_attn.reference import lightning_attn_decode, lightning_attn_prefill
 
+from tests.ops.fp64_recurrence import recurrence, rel_err
+
 # fp32 block form vs fp64 token recurrence: measured 1.4e-7 .. 2.4e-7 (N <= 2000); 1e-5 leaves room for
 # longer sequences while still catching any wrong decay exponent (vLLM's lam^i is off by 1e-3 .. 4e-2).
 TOL = 1e-5
-
-
-def recurrence(q, k, v, slopes, state):
-    """Float64 definition, token by token: S_t = lam S_{t-1} + k_t^T v_t, o_t = q_t S_t (per head)."""
-    lam = np.exp(-slopes.astype(np.float64))[:, None, None]
-    s = state.astype(np.float64).copy()
-    out = np.zeros(q.shape, dtype=np.float64)
-    for t in range(q.shape[0]):
-        s = lam * s + k[t].astype(np.float64)[:, :, None] * v[t].astype(np.float64)[:, None, :]
-        out[t] = np.einsum("hd,hde->he", q[t].astype(np.float64), s)
-    return out, s
 
 
 def minimax_slopes(num_heads, layer, num_layers=80):
     """MiniMax-M1 slopes (minimax_m1.md §3.2), power-of-two head counts."""
     base = 2.0 ** (-8.0 * np.arange(1, num_heads + 1) / num_heads)
     return (base * (1.0 - layer / (num_layers - 1) + 1e-5)).astype(np.float32)
-
-
-def rel_err(actual, expected):
-    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
 
 
 def make_inputs(seed, num_tokens, num_heads, head_dim, num_slots):

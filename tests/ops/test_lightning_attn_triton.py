@@ -14,25 +14,12 @@ import pytest
 
 pytest.importorskip("triton")
 
+from tests.ops.fp64_recurrence import recurrence, rel_err
+
 RUNNER = os.path.join(os.path.dirname(__file__), "lightning_interp_runner.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Interpreter dots are fp32 NumPy products (IEEE); measured 4e-8 .. 1.5e-7.
 TOL = 1e-5
-
-
-def recurrence(q, k, v, slopes, state):
-    """Float64 definition, token by token: S_t = lam S_{t-1} + k_t^T v_t, o_t = q_t S_t (per head)."""
-    lam = np.exp(-slopes.astype(np.float64))[:, None, None]
-    s = state.astype(np.float64).copy()
-    out = np.zeros(q.shape, dtype=np.float64)
-    for t in range(q.shape[0]):
-        s = lam * s + k[t].astype(np.float64)[:, :, None] * v[t].astype(np.float64)[:, None, :]
-        out[t] = np.einsum("hd,hde->he", q[t].astype(np.float64), s)
-    return out, s
-
-
-def rel_err(actual, expected):
-    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
 
 
 def prefill_case(seed, lengths, slots, num_heads, head_dim, num_slots, block_size, segment_len):

@@ -61,7 +61,8 @@ def time_to_first_token(encoder_cfg: dict, args) -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         write_tiny("MiDashengLMModel", model_dir, audio_encoder_config=encoder_cfg, text_config=text_cfg)
         size_mb = os.path.getsize(os.path.join(model_dir, "model.safetensors")) / 2**20
-        llm = LLM(model=model_dir, max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=4096)
+        llm = LLM(model=model_dir, max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=4096,
+                  num_threads=args.threads)
         params = SamplingParams(temperature=0.0, max_tokens=1)
         out = llm.generate(request, params, use_tqdm=False)[0]
         t = timed(lambda: llm.generate(request, params, use_tqdm=False), args.repeat)
@@ -80,7 +81,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--ttft", action="store_true", help="time to first token of a whole model (see above)")
     parser.add_argument("--decoder-layers", type=int, default=2, help="decoder depth for --ttft")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="Paddle CPU threads (Paddle's default is 1)")
     args = parser.parse_args()
+    paddle.base.core.set_num_threads(args.threads)
 
     encoder_cfg, text_hidden = SIZES[args.size]
     encoder_cfg = dict(encoder_cfg, patch_size=[64, 4], patch_stride=[64, 4], qkv_bias=True)
@@ -109,7 +112,7 @@ def main():
         t_proj = timed(lambda: projector(hidden, keep), args.repeat)
 
     audio_s = args.seconds * args.batch
-    print(f"device={paddle.device.get_device()} size={args.size} depth={config.depth} batch={args.batch} "
+    print(f"device={paddle.device.get_device()} threads={args.threads} size={args.size} depth={config.depth} batch={args.batch} "
           f"seconds={args.seconds} patches={hidden.shape[1]}")
     for name, t in (("frontend", t_front), ("encoder", t_enc), ("projector", t_proj)):
         print(f"{name:10s} {t * 1e3:9.1f} ms   {audio_s / t:8.1f} s audio / s")

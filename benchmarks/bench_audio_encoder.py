@@ -82,6 +82,8 @@ def main():
     parser.add_argument("--ttft", action="store_true", help="time to first token of a whole model (see above)")
     parser.add_argument("--decoder-layers", type=int, default=2, help="decoder depth for --ttft")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="Paddle CPU threads (Paddle's default is 1)")
+    parser.add_argument("--compare-dasheng", action="store_true",
+                        help="also time the PyPI dasheng encoder (torch, same shape and thread count)")
     args = parser.parse_args()
     paddle.base.core.set_num_threads(args.threads)
 
@@ -117,6 +119,27 @@ def main():
     for name, t in (("frontend", t_front), ("encoder", t_enc), ("projector", t_proj)):
         print(f"{name:10s} {t * 1e3:9.1f} ms   {audio_s / t:8.1f} s audio / s")
     print(f"encoder    {args.batch / t_enc:9.2f} clips / s ({args.seconds:g} s clips, batch {args.batch})")
+    if args.compare_dasheng:
+        compare_dasheng(encoder_cfg, waves, args)
+
+
+def compare_dasheng(encoder_cfg, waves, args):
+    """The PyPI ``dasheng`` encoder (torch, random weights) on the same waveforms; its forward includes its
+    own frontend, so compare with frontend + encoder above."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.layers.test_dasheng_encoder import import_dasheng
+
+    torch.set_num_threads(args.threads)
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in encoder_cfg.items()}
+    model = import_dasheng().Dasheng(**cfg).eval()
+    x = torch.from_numpy(waves)
+    with torch.no_grad():
+        t = timed(lambda: model(x), args.repeat)
+    print(f"dasheng (torch, {args.threads} threads) frontend+encoder {t * 1e3:9.1f} ms   {args.batch / t:.2f} clips / s")
 
 
 if __name__ == "__main__":

@@ -90,11 +90,13 @@ class DecodeGroup:
     mask: np.ndarray  # [count, 1, max_len] additive
     _tiled: dict = field(default_factory=dict)
 
-    def mask_for(self, kv_heads: int) -> paddle.Tensor:
-        """The mask repeated per KV head ``[kv_heads * count, 1, max_len]`` (built once per step)."""
-        if kv_heads not in self._tiled:
-            self._tiled[kv_heads] = paddle.to_tensor(np.tile(self.mask, (kv_heads, 1, 1)))
-        return self._tiled[kv_heads]
+    def mask_for(self, kv_heads: int, group: int) -> paddle.Tensor:
+        """The mask for every KV head and query head of the group, ``[kv_heads * count, group, max_len]``
+        (built once per step): a same-shape add is 7x cheaper than a middle-dim broadcast in Paddle's CPU kernels."""
+        if (kv_heads, group) not in self._tiled:
+            full = np.broadcast_to(self.mask, (self.count, group, self.max_len))
+            self._tiled[kv_heads, group] = paddle.to_tensor(np.tile(full, (kv_heads, 1, 1)))
+        return self._tiled[kv_heads, group]
 
 
 @dataclass
@@ -211,7 +213,7 @@ class Attention(nn.Layer):
         keys = take_blocks(k_cache, group.blocks, block_size).astype("float32").reshape([hkv * bd, lmax, d])
         vals = take_blocks(v_cache, group.blocks, block_size).astype("float32").reshape([hkv * bd, lmax, d])
         qh = permute(q.reshape([bd, hkv, g, d]), [1, 0, 2, 3]).reshape([hkv * bd, g, d])
-        scores = paddle.matmul(qh, keys, transpose_y=True) + group.mask_for(hkv)  # [Hkv*Bd, g, Lmax]
+        scores = paddle.matmul(qh, keys, transpose_y=True) + group.mask_for(hkv, g)  # [Hkv*Bd, g, Lmax]
         out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, bd, g, d])
         return permute(out, [1, 0, 2, 3]).reshape([bd, hkv * g, d])
 

@@ -101,6 +101,9 @@ class LinearBase(nn.Layer):
         return paddle.matmul(x, self.weight)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.bias is not None and self.quant_method is None and x.ndim == 2:
+            # Fused bias: a broadcast add after the matmul costs Paddle's CPU up to half the matmul again.
+            return paddle.addmm(self.bias, x, self.weight)
         out = self._matmul(x)
         if self.bias is not None:
             out = out + self.bias

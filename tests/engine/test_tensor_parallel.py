@@ -277,13 +277,16 @@ def test_midashenglm_tp2_equals_tp1(tmp_path):
     requests = [{"prompt": chat_prompt(), "multimodal_data": {"audio": [clip(2.3, 30)]}},
                 {"prompt_token_ids": prompts_of([17], 405, vocab=300)[0]["prompt_token_ids"]},
                 {"prompt": chat_prompt(2), "multimodal_data": {"audio": [clip(1.0, 31), clip(0.6, 32)]}}]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (12, 4, 9)]
     outs = {}
     for tp in (1, 2):
-        # A 16-token budget splits the audio spans across prefill chunks.
-        with LLM(model=d, tensor_parallel_size=tp, max_model_len=256, max_num_batched_tokens=16) as llm:
+        # A 16-token budget splits the audio spans across prefill chunks; 12 pages of 8 tokens cannot hold
+        # all three requests, so one is preempted and recomputed (its audio rows reused, not re-encoded).
+        with LLM(model=d, tensor_parallel_size=tp, max_model_len=256, max_num_batched_tokens=16, block_size=8,
+                 num_kv_blocks=12) as llm:
             outs[tp] = llm.generate(requests, params, use_tqdm=False)
-            assert llm.llm_engine.scheduler.stats.num_chunked_prefill_steps > 0
+            stats = llm.llm_engine.scheduler.stats
+            assert stats.num_chunked_prefill_steps > 0 and stats.num_preemptions > 0 and stats.num_mixed_steps > 0
     for a, b in zip(outs[2], outs[1]):
         assert a.outputs.token_ids == b.outputs.token_ids
         for x, y in zip(a.outputs.logprobs, b.outputs.logprobs):

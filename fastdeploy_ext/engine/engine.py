@@ -24,7 +24,7 @@ from fastdeploy_ext.config.base import (
 )
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.model_runner import ModelRunner
-from fastdeploy_ext.engine.request import Request, RequestStatus
+from fastdeploy_ext.engine.request import Request
 from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler

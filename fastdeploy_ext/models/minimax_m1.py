@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import paddle
 from paddle import nn
 
 from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config

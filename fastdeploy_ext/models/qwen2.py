@@ -6,9 +6,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.config.qwen2 import Qwen2Config
-from fastdeploy_ext.distributed.communication import tp_size
 from fastdeploy_ext.layers.attention import Attention
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

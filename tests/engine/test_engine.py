@@ -1,6 +1,5 @@
 """Engine behaviour on a tiny Qwen2: batching invariance, chunked prefill, sampling, stops, bad input."""
 
-import numpy as np
 import pytest
 
 from fastdeploy_ext import LLM, SamplingParams

@@ -5,6 +5,13 @@ import pytest
 os.environ.setdefault("GLOG_minloglevel", "2")
 
 
+def pytest_configure(config):
+    # Before any test imports transformers (which imports torchaudio when installed).
+    from tests.torchaudio_fix import fix_torchaudio
+
+    fix_torchaudio()
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     from fastdeploy_ext.tiny import write_tiny

@@ -21,7 +21,7 @@ from tests.oracle import random_prompts as prompts_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 M1_DIR = os.path.join(ROOT, "configs", "models", "MiniMax-M1")
-M1_INDEX = "/work/shared/models/MiniMax-M1/model.safetensors.index.json"
+M1_INDEX = os.path.join(M1_DIR, "model.safetensors.index.json")
 
 
 

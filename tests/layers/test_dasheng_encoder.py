@@ -9,9 +9,7 @@ top_db and padded-True mask polarity make batched outputs incomparable). Toleran
 torchaudio runs pure-Python) and skips when ``dasheng`` is not installed (``pip install dasheng``).
 """
 
-import ctypes
 import importlib.util
-import pathlib
 
 import numpy as np
 import paddle
@@ -23,31 +21,20 @@ from fastdeploy_ext.config.midashenglm import DashengConfig, MiDashengLMConfig
 from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAttention, DashengAudioEncoder
 from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
 from fastdeploy_ext.layers.utils import WeightLoadError
+from tests.torchaudio_fix import fix_torchaudio
 
 SR = 16000
 REL_TOL = 1e-5
 TINY = dict(embed_dim=64, depth=2, num_heads=4, patch_size=[64, 4], patch_stride=[64, 4], target_length=64, qkv_bias=True)
-TORCHAUDIO_EXTENSIONS = ("_torchaudio", "libtorchaudio", "torchaudio_prefixctc")
 
 
 def import_dasheng():
     """``dasheng.pretrained.pretrained`` with the torchaudio workaround, or a pytest skip saying why."""
     if importlib.util.find_spec("dasheng") is None:
         pytest.skip("dasheng is not installed: pip install dasheng")
-    spec = importlib.util.find_spec("torchaudio")
-    if spec is None:
+    if importlib.util.find_spec("torchaudio") is None:
         pytest.skip("torchaudio (a dasheng dependency) is not installed")
-    lib_dir = pathlib.Path(spec.origin).parent / "lib"
-    for stem in TORCHAUDIO_EXTENSIONS:
-        for lib in lib_dir.glob(f"{stem}*.so"):
-            try:
-                ctypes.CDLL(str(lib))
-            except OSError:
-                # A torchaudio built for another torch/CUDA: without its extensions torchaudio falls back to Python.
-                for name in TORCHAUDIO_EXTENSIONS:
-                    for other in lib_dir.glob(f"{name}*.so"):
-                        other.unlink()
-                break
+    fix_torchaudio()
     try:
         from dasheng.pretrained import pretrained
     except (ImportError, OSError) as err:

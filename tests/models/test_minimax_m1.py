@@ -35,7 +35,8 @@ from tests.oracle import check_greedy_against_oracle  # noqa: E402
 from tests.oracle import engine_greedy as greedy_fn  # noqa: E402
 
 FORMATS = {"original": "MiniMaxM1ForCausalLM", "hf_native": "MiniMaxForCausalLM"}
-REAL_M1_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "MiniMax-M1", "config.json")
+# The official config, copied into the repo (configs/models/README.md).
+REAL_M1_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "MiniMax-M1", "config.json")
 VOCAB = 500
 
 

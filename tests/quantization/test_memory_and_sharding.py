@@ -2,6 +2,7 @@
 codes and scales (each rank's parameters equal the tp=1 parameters sliced)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from fastdeploy_ext.quantization.memory import (
 )
 from fastdeploy_ext.tiny import write_tiny
 
-M1_CONFIG = "/work/shared/models/MiniMax-M1/config.json"
+M1_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "MiniMax-M1", "config.json")
 
 
 @pytest.mark.parametrize("model", ["MiniMax-M1", "MiDashengLM-7B"])

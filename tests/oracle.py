@@ -85,3 +85,30 @@ def random_prompts(lengths, seed, vocab=500):
     """``{"prompt_token_ids": ...}`` prompts of the given lengths from one seeded generator."""
     rng = np.random.default_rng(seed)
     return [{"prompt_token_ids": rng.integers(0, vocab, size=n).tolist()} for n in lengths]
+
+
+# Twelve mixed prompt lengths (seed 101) with staggered output lengths, so requests finish at different
+# steps and admissions meet decodes: the batch-invariance workload of every model's tests.
+MIXED_LENGTHS = [5, 40, 1, 77, 13, 120, 9, 33, 64, 2, 90, 17]
+
+
+def mixed_workload():
+    from fastdeploy_ext import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 5), ignore_eos=True, logprobs=1)
+              for i in range(len(MIXED_LENGTHS))]
+    return random_prompts(MIXED_LENGTHS, 101), params
+
+
+def run_mixed_workload(model_dir, **engine_kwargs):
+    """The mixed workload through one engine: ``(outputs, scheduler stats, engine)``; with
+    ``max_num_seqs=1`` every prompt runs on its own."""
+    from fastdeploy_ext import LLM
+
+    llm = LLM(model=model_dir, max_model_len=256, **engine_kwargs)
+    prompts, params = mixed_workload()
+    if engine_kwargs.get("max_num_seqs") == 1:
+        outs = [llm.generate(p, g, use_tqdm=False)[0] for p, g in zip(prompts, params)]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, llm.llm_engine.scheduler.stats, llm.llm_engine

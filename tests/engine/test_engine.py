@@ -5,39 +5,29 @@ import pytest
 from fastdeploy_ext import LLM, SamplingParams
 from tests.oracle import assert_same_outputs as assert_same
 from tests.oracle import random_prompts as prompts_of
+from tests.oracle import run_mixed_workload
 
-
-
-MIXED_LENGTHS = [5, 40, 1, 77, 13, 120, 9, 33, 64, 2, 90, 17]
-# Different output lengths make requests finish at different steps, so admissions meet decodes.
-GREEDY = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 5), ignore_eos=True, logprobs=1)
-          for i in range(len(MIXED_LENGTHS))]
 
 
 @pytest.fixture(scope="module")
 def alone(tiny_qwen2_dir):
-    """Each of the 12 prompts run on its own (seed 101)."""
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=256, max_num_seqs=1)
-    return [llm.generate(p, g, use_tqdm=False)[0] for p, g in zip(prompts_of(MIXED_LENGTHS, 101), GREEDY)]
-
+    """Each of the 12 mixed prompts on its own (one sequence at a time)."""
+    return run_mixed_workload(tiny_qwen2_dir, max_num_seqs=1)[0]
 
 
 def test_batch_invariance_with_queueing(tiny_qwen2_dir, alone):
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
-    outs = llm.generate(prompts_of(MIXED_LENGTHS, 101), GREEDY, use_tqdm=False)
-    stats = llm.llm_engine.scheduler.stats
+    outs, stats, _ = run_mixed_workload(tiny_qwen2_dir, max_num_seqs=4, max_num_batched_tokens=64)
     assert stats.num_queued_steps > 0 and stats.num_mixed_steps > 0 and stats.num_chunked_prefill_steps > 0
     assert_same(outs, alone)
 
 
 def test_batch_invariance_with_preemption(tiny_qwen2_dir, alone):
-    # 45 pages of 4 tokens hold the longest request alone (136 tokens) but not the batch's growth.
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=256, max_num_seqs=12, num_kv_blocks=45, block_size=4)
-    outs = llm.generate(prompts_of(MIXED_LENGTHS, 101), GREEDY, use_tqdm=False)
-    stats = llm.llm_engine.scheduler.stats
+    # 45 pages of 4 tokens hold the longest request alone (136 tokens) but not the batch's growth; a
+    # preempted request recomputes from position 0 (and, for hybrid models, from a re-zeroed state slot).
+    outs, stats, engine = run_mixed_workload(tiny_qwen2_dir, max_num_seqs=12, num_kv_blocks=45, block_size=4)
     assert stats.num_preemptions > 0 and stats.num_mixed_steps > 0
     assert_same(outs, alone)
-    assert llm.llm_engine.block_manager.num_used == 0
+    assert engine.block_manager.num_used == 0
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32, 100], ids=lambda c: f"chunk{c}")

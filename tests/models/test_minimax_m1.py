@@ -33,6 +33,7 @@ from tests.minimax_oracle import (  # noqa: E402
 from tests.oracle import assert_same_outputs as assert_same  # noqa: E402
 from tests.oracle import check_greedy_against_oracle  # noqa: E402
 from tests.oracle import engine_greedy as greedy_fn  # noqa: E402
+from tests.oracle import mixed_workload, run_mixed_workload  # noqa: E402
 
 FORMATS = {"original": "MiniMaxM1ForCausalLM", "hf_native": "MiniMaxForCausalLM"}
 # The official config, copied into the repo (configs/models/README.md).
@@ -126,46 +127,34 @@ def test_every_layer_matches_hf_and_rope_inputs_are_live(engine_and_oracle):
 
 # ---------------------------------------------------------------- recurrent state on the engine
 
-MIXED_LENGTHS = [5, 40, 1, 77, 13, 120, 9, 33, 64, 2, 90, 17]
-# Different output lengths make requests finish at different steps, so admissions meet decodes.
-GREEDY = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 5), ignore_eos=True, logprobs=1)
-          for i in range(len(MIXED_LENGTHS))]
-
-
 @pytest.fixture(scope="module")
 def alone(m1_dir):
-    """Each of the 12 prompts on its own (one sequence at a time)."""
-    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=1)
-    return [llm.generate(p, g, use_tqdm=False)[0] for p, g in zip(prompts_of(MIXED_LENGTHS, 101), GREEDY)]
-
+    """Each of the 12 mixed prompts on its own (one sequence at a time)."""
+    return run_mixed_workload(m1_dir, max_num_seqs=1)[0]
 
 
 def test_batch_invariance_with_queueing(m1_dir, alone):
-    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
-    outs = llm.generate(prompts_of(MIXED_LENGTHS, 101), GREEDY, use_tqdm=False)
-    stats = llm.llm_engine.scheduler.stats
+    outs, stats, _ = run_mixed_workload(m1_dir, max_num_seqs=4, max_num_batched_tokens=64)
     assert stats.num_queued_steps > 0 and stats.num_mixed_steps > 0 and stats.num_chunked_prefill_steps > 0
     assert_same(outs, alone)
 
 
 def test_batch_invariance_with_preemption(m1_dir, alone):
     # 45 pages of 4 tokens hold the longest request alone (136 tokens) but not the batch's growth; a
-    # preempted request recomputes from position 0, so its state slot must be zeroed again.
-    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=12, num_kv_blocks=45, block_size=4)
-    outs = llm.generate(prompts_of(MIXED_LENGTHS, 101), GREEDY, use_tqdm=False)
-    stats = llm.llm_engine.scheduler.stats
+    # preempted request recomputes from position 0 (and, for hybrid models, from a re-zeroed state slot).
+    outs, stats, engine = run_mixed_workload(m1_dir, max_num_seqs=12, num_kv_blocks=45, block_size=4)
     assert stats.num_preemptions > 0 and stats.num_mixed_steps > 0
     assert_same(outs, alone)
-    assert llm.llm_engine.block_manager.num_used == 0
+    assert engine.block_manager.num_used == 0
 
 
 def test_reused_slots_start_from_zero_state(m1_dir, alone):
     """Three waves through a 2-slot pool: every slot is reused with a previous request's state left in it."""
     llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=2)
-    prompts = prompts_of(MIXED_LENGTHS, 101)
+    prompts, params = mixed_workload()
     for wave in range(3):
         picked = list(range(wave * 4, wave * 4 + 4))
-        outs = llm.generate([prompts[i] for i in picked], [GREEDY[i] for i in picked], use_tqdm=False)
+        outs = llm.generate([prompts[i] for i in picked], [params[i] for i in picked], use_tqdm=False)
         assert_same(outs, [alone[i] for i in picked])
         pool = llm.llm_engine.runner.state_pool
         assert len(pool[0]) == 2 and float(pool[0].abs().max()) > 0  # dirty slots carried into the next wave

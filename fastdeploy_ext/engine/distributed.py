@@ -34,6 +34,8 @@ import traceback
 from dataclasses import asdict
 from multiprocessing.connection import Client, Listener, wait
 
+from fastdeploy_ext.engine.errors import RankFailure
+
 logger = logging.getLogger("fastdeploy_ext")
 
 # A rank must answer a step within this many seconds once every rank is alive; a wedged collective
@@ -100,9 +102,6 @@ class DistributedRunner:
     """Driver-side stand-in for ``ModelRunner`` that fans each step out to worker processes."""
 
     def __init__(self, args, num_kv_blocks: int, num_state_slots: int, backend: str = "gloo"):
-        from fastdeploy_ext.engine.engine import RankFailure
-
-        self._RankFailure = RankFailure
         self.world = args.tensor_parallel_size
         self.log_dir = tempfile.mkdtemp(prefix="fdext_tp_logs_")
         authkey = secrets.token_bytes(16)
@@ -139,7 +138,7 @@ class DistributedRunner:
 
     def _fail(self, what: str, rank: int, detail: str):
         self.shutdown()
-        raise self._RankFailure(
+        raise RankFailure(
             f"tensor-parallel rank {rank} failed during {what}: {detail} (log: {os.path.join(self.log_dir, f'workerlog.{rank}')})"
         )
 

@@ -23,6 +23,7 @@ from fastdeploy_ext.config.base import (
     load_hf_config,
 )
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
+from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.request import Request
 from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
@@ -34,9 +35,6 @@ from fastdeploy_ext.models.registry import architecture_of, get_model_class
 
 logger = logging.getLogger("fastdeploy_ext")
 
-
-class RankFailure(RuntimeError):
-    """A tensor-parallel rank process died or failed; the engine cannot continue."""
 
 DEFAULT_MAX_MODEL_LEN = 32768
 # Without num_kv_blocks, the KV pool gets at most this many bytes (CPU RAM is shared with everything else).
@@ -186,6 +184,7 @@ class LLMEngine:
         self._arrivals = 0
         self._requests: dict[str, Request] = {}
         self._forks: dict[str, list[Request]] = {}
+        self._siblings: dict[str, list[str]] = {}  # id given to add_request (n > 1) -> its sibling ids
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
         self.eos_token_ids = sorted(eos)
 
@@ -214,6 +213,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        for name in ("stop_token_ids", "bad_words_token_ids"):
+            ids = getattr(params, name) or []
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"SamplingParams.{name}: token id {max(ids)} outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"{where} has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (prompt + at least one generated token)"
@@ -239,7 +242,7 @@ class LLMEngine:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             req = Request(rid, prompt, token_ids, params, sample_index=k, multimodal_inputs=multimodal_inputs,
-                          arrival_index=self._arrivals)
+                          arrival_index=self._arrivals, group_id=request_id)
             self._arrivals += 1
             seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
             req.generator = np.random.default_rng(seed)
@@ -252,6 +255,7 @@ class LLMEngine:
             created.append(req)
         if len(created) > 1:
             self._forks[created[0].request_id] = created[1:]
+            self._siblings[request_id] = [r.request_id for r in created]
         return created
 
     def _release_forks(self, parent: Request, row: np.ndarray, touched: list) -> None:
@@ -274,24 +278,32 @@ class LLMEngine:
                 self._finish(sib, "error", f"{type(e).__name__}: {e}")
 
     def abort_request(self, request_id: str) -> bool:
-        req = self._requests.get(request_id)
-        if req is None or req.is_finished:
-            return False
-        self._finish(req, "abort")
-        return True
+        """Abort a request; the id given to ``add_request`` also aborts all ``n`` of its siblings."""
+        ids = [request_id] if request_id in self._requests else self._siblings.get(request_id, [])
+        aborted = False
+        for rid in ids:
+            req = self._requests.get(rid)
+            if req is not None and not req.is_finished:
+                self._finish(req, "abort")
+                aborted = True
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if reason in ("length", "abort") or reason == "stop" and not req.params.stop:
-            # A stream may end inside a multi-byte character held back by the detokenizer.
+    def _finish(self, req: Request, reason: str, error: str | None = None, flush: bool = True) -> None:
+        if flush:
+            # A stream may end inside a multi-byte character held back by the detokenizer (not after a
+            # stop string: the text was cut there).
             req.output_text += req.detokenizer.flush()
         req.finish_reason = reason
         req.error_msg = error
         req.metrics.finish_time = time.time()
         self.scheduler.finish(req)
         self.runner.release([req.request_id])
+        siblings = self._siblings.get(req.group_id)
+        if siblings is not None and all(rid not in self._requests or rid == req.request_id for rid in siblings):
+            del self._siblings[req.group_id]
         for sib in self._forks.pop(req.request_id, []):
             self.scheduler.add_request(sib)  # the parent ended before its prefill: siblings run on their own
         self._requests.pop(req.request_id, None)
@@ -357,6 +369,7 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if params.logprobs is not None:
             req.output_logprobs.append(top_logprobs(log_softmax(row[None])[0], params.logprobs, token))
+        checked = len(req.output_text)
         req.output_text += req.detokenizer.add(token)
 
         n_out = len(req.output_token_ids)
@@ -365,18 +378,18 @@ class LLMEngine:
                 return self._finish(req, "stop")
             if token in params.stop_token_ids:
                 return self._finish(req, "stop")
-            if params.stop and self._check_stop_strings(req):
-                return self._finish(req, "stop")
+            if params.stop and self._check_stop_strings(req, checked):
+                return self._finish(req, "stop", flush=False)
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return self._finish(req, "length")
         if req.num_tokens >= self.max_model_len:
             return self._finish(req, "length")
 
-    def _check_stop_strings(self, req: Request) -> bool:
+    def _check_stop_strings(self, req: Request, checked: int) -> bool:
+        """Cut the text at the first stop string; ``checked`` chars were already searched (a match can
+        still end in the new text, so the search starts a stop string's length before it)."""
         text = req.output_text
-        # Only the tail can hold a new match: the previous text was already checked.
-        window = max(len(s) for s in req.params.stop) + 16
-        tail_start = max(0, len(text) - window)
+        tail_start = max(0, checked - max(len(s) for s in req.params.stop) + 1)
         best = None
         for s in req.params.stop:
             pos = text.find(s, tail_start)

@@ -60,8 +60,10 @@ class Request:
     the cache; after a preemption it drops to 0 and the prompt plus generated tokens are recomputed."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 sample_index: int = 0, multimodal_inputs: Any = None, arrival_index: int = 0):
+                 sample_index: int = 0, multimodal_inputs: Any = None, arrival_index: int = 0,
+                 group_id: str | None = None):
         self.request_id = request_id
+        self.group_id = request_id if group_id is None else group_id  # the id add_request got (n > 1 siblings share it)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -75,6 +75,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative ints")
+        if any(not isinstance(t, int) or t < 0 for t in self.bad_words_token_ids or []):
+            bad("bad_words_token_ids", "must be non-negative ints")
 
     def clone(self, **changes) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}

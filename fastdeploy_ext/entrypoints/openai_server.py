@@ -30,6 +30,7 @@ from urllib.parse import unquote, urlparse
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -92,6 +93,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine request id -> sink (engine thread only)
         self._groups: dict[str, list[str]] = {}  # submitted id -> engine ids of its n choices (engine thread only)
+        self._group_of: dict[str, str] = {}  # engine id -> submitted id (engine thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._rate: deque = deque()
@@ -134,6 +136,10 @@ class EngineLoop:
                 if engine.has_unfinished_requests():
                     for req in engine.step():
                         self._publish(req)
+            except RankFailure as e:  # the engine cannot run another step: /health must say so
+                logger.exception("tensor-parallel rank failed; the engine loop stops")
+                self._fail_all(f"engine failed: {e}")
+                self._stop.set()
             except Exception as e:  # keep serving: fail what was in flight, not the process
                 logger.exception("engine loop iteration failed")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
@@ -162,10 +168,13 @@ class EngineLoop:
                 return
             self._prompt_tokens += len(ids)
             self._groups[rid] = [r.request_id for r in reqs]
+            for r in reqs:
+                self._group_of[r.request_id] = rid
             for k, r in enumerate(reqs):
                 self._sinks[r.request_id] = _Sink(loop, sink_queue, base + k)
         elif cmd[0] == "abort":
             for eid in self._groups.pop(cmd[1], []):
+                self._group_of.pop(eid, None)
                 if self._sinks.pop(eid, None) is not None:
                     self.engine.abort_request(eid)
                     self._finished["abort"] = self._finished.get("abort", 0) + 1
@@ -187,6 +196,12 @@ class EngineLoop:
         if req.is_finished:
             del self._sinks[req.request_id]
             self._finished[finish] = self._finished.get(finish, 0) + 1
+            group = self._group_of.pop(req.request_id, None)
+            siblings = self._groups.get(group)
+            if siblings is not None:
+                siblings.remove(req.request_id)
+                if not siblings:
+                    del self._groups[group]
 
     def _fail_all(self, message: str) -> None:
         for eid, sink in list(self._sinks.items()):
@@ -197,6 +212,7 @@ class EngineLoop:
             _post(sink.loop, sink.queue, Update(sink.index, "", [], [], "error", message))
         self._sinks.clear()
         self._groups.clear()
+        self._group_of.clear()
 
     def _update_stats(self) -> None:
         now = time.monotonic()
@@ -410,16 +426,24 @@ class OpenAIServer:
                             for d, t in zip(lps, token_ids)]}
 
     async def _updates(self, http_request, q: asyncio.Queue, poll: bool):
-        """Yield updates until the caller stops; with ``poll``, raise on client disconnect."""
+        """Yield updates until the caller stops; with ``poll``, raise on client disconnect. The client is
+        checked every ``_DISCONNECT_POLL_S`` whether or not updates keep arriving: a generating request
+        posts one per engine step, far more often than that."""
+        last_check = time.monotonic()
         while True:
             if not poll:
                 yield await q.get()
                 continue
             try:
-                yield await asyncio.wait_for(q.get(), timeout=_DISCONNECT_POLL_S)
+                update = await asyncio.wait_for(q.get(), timeout=_DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                update = None
+            if update is None or time.monotonic() - last_check >= _DISCONNECT_POLL_S:
+                last_check = time.monotonic()
                 if await http_request.is_disconnected():
                     raise ConnectionAbortedError("client disconnected")
+            if update is not None:
+                yield update
 
     async def run(self, http_request, kind: str, body: bytes):
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
@@ -570,14 +594,8 @@ class OpenAIServer:
             err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
             return JSONResponse(err.body(), status_code=500)
 
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if self.api_key is not None and request.url.path.startswith("/v1/"):
-                if request.headers.get("authorization") != f"Bearer {self.api_key}":
-                    err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                   "authentication_error")
-                    return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
+        if self.api_key is not None:
+            app.add_middleware(_ApiKeyMiddleware, api_key=self.api_key)
 
         @app.get("/health")
         async def health():
@@ -606,6 +624,23 @@ class OpenAIServer:
             return await self.run(request, "chat", await request.body())
 
         return app
+
+
+class _ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on ``/v1/*``. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` (``@app.middleware("http")``) hides client disconnects from the endpoint, so
+    an abandoned non-streaming request would run to ``max_tokens`` holding its pages."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _prepend(first: str, rest):

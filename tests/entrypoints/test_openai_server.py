@@ -217,3 +217,62 @@ def test_overload_is_429_and_server_survives(server, client):
     assert server.metrics()["fastdeploy_ext_requests_rejected_total"] >= len(rejected)
     assert httpx.get(server.url + "/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices[0].finish_reason == "length"
+
+
+@pytest.fixture
+def inprocess_server(tiny_qwen2_dir):
+    """The app on uvicorn in a thread over an engine this test can inspect (long max_model_len so a
+    request can run for many seconds); with an API key, so the key middleware is in the path."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from fastdeploy_ext.engine.engine import LLMEngine
+    from fastdeploy_ext.entrypoints.openai_server import OpenAIServer
+
+    engine = LLMEngine(tiny_qwen2_dir, max_model_len=4096, max_num_seqs=4)
+    app_server = OpenAIServer(engine, MODEL, tiny_qwen2_dir, api_key="k")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    uv = uvicorn.Server(uvicorn.Config(app_server.build_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, app_server
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_non_streaming_client_that_leaves_is_aborted(inprocess_server):
+    url, engine, app_server = inprocess_server
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, headers={"authorization": "Bearer k"}, timeout=1.0)
+    # 4000 tokens take far longer than this; the server must notice the closed connection while the
+    # request is still producing a token every step.
+    assert wait_for(lambda: engine.block_manager.num_used == 0 and not engine.has_unfinished_requests(), timeout=10)
+    assert app_server.loop._finished.get("abort") == 1 and not app_server.loop._groups
+
+
+def test_dead_rank_marks_the_server_unhealthy(inprocess_server):
+    from fastdeploy_ext.engine.errors import RankFailure
+
+    url, engine, app_server = inprocess_server
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2},
+                    headers={"authorization": "Bearer k"}, timeout=30)
+    assert ok.status_code == 200 and httpx.get(url + "/health").status_code == 200
+    assert wait_for(lambda: not app_server.loop._groups)  # finished requests leave no bookkeeping behind
+
+    def dead(seqs):
+        raise RankFailure("tensor-parallel rank 1 failed during a model step: exited with code -9")
+
+    engine.runner.execute = dead
+    failed = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                        headers={"authorization": "Bearer k"}, timeout=30)
+    assert failed.status_code >= 500 and "rank 1" in failed.text
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 503)

@@ -1,0 +1,43 @@
+"""Edge cases of the engine's bookkeeping that the end-to-end tests do not reach."""
+
+import pytest
+
+from fastdeploy_ext import LLM, SamplingParams
+from tests.oracle import random_prompts
+
+
+def test_stop_string_inside_a_long_new_piece_of_text(tiny_qwen2_dir):
+    """One step can add many characters (a long token, or bytes the detokenizer released at once):
+    a stop string early in them must still end the request."""
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    engine = llm.llm_engine
+    (req,) = engine.add_request("s", None, [1, 2, 3], SamplingParams(stop=["END"], max_tokens=50))
+    req.output_text = "hello " + "END" + "x" * 40
+    assert engine._check_stop_strings(req, checked=6)
+    assert req.output_text == "hello "
+    (req2,) = engine.add_request("s2", None, [1, 2, 3], SamplingParams(stop=["END"], max_tokens=50))
+    req2.output_text = "hellEN" + "D tail"  # the match starts before the new text and ends in it
+    assert engine._check_stop_strings(req2, checked=6) and req2.output_text == "hell"
+
+
+def test_abort_by_the_submitted_id_aborts_all_n_siblings(tiny_qwen2_dir):
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    engine = llm.llm_engine
+    prompt = random_prompts([20], 501)[0]["prompt_token_ids"]
+    reqs = engine.add_request("g", None, prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=50,
+                                                                 ignore_eos=True))
+    engine.step()
+    assert engine.abort_request("g")
+    assert all(r.finish_reason == "abort" for r in reqs)
+    assert engine.block_manager.num_used == 0 and not engine.has_unfinished_requests()
+    assert not engine.abort_request("g") and not engine._siblings
+
+
+def test_token_ids_in_sampling_params_are_checked(tiny_qwen2_dir):
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=[-1])
+    with pytest.raises(ValueError, match=r"prompts\[0\].*stop_token_ids: token id 100000 outside the vocabulary"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[100000]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"bad_words_token_ids: token id 99999"):
+        llm.generate("hi", SamplingParams(bad_words_token_ids=[99999]), use_tqdm=False)

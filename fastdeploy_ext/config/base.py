@@ -133,6 +133,7 @@ class LoadConfig:
     model_path: str = ""
     # Compute dtype; Paddle on CPU computes in float32 only, so "auto" resolves to float32 there.
     dtype: str = "float32"
+    device: str = "cpu"
 
 
 @dataclass

@@ -310,15 +310,13 @@ def _worker_main(argv=None) -> int:
     conn = Client((host, int(port)), authkey=bytes.fromhex(a.authkey))
     conn.send(a.rank)
     try:
-        import paddle
         import paddle.distributed as dist
 
-        from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model, set_cpu_threads
+        from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model, set_device
 
-        paddle.set_device("cpu")
-        dist.init_parallel_env()
         args = EngineArgs(**json.loads(a.engine_args))
-        set_cpu_threads(args)
+        set_device(args, local_rank=a.rank)
+        dist.init_parallel_env()
         model_cls, fd_config = build_fd_config(args, rank=a.rank)
         model = build_model(model_cls, fd_config)
         conn.send(("ok", None))

@@ -75,17 +75,44 @@ def set_cpu_threads(args: EngineArgs) -> int:
     return n
 
 
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"gpu"``; ``"auto"`` is the GPU when this Paddle build has CUDA and sees one."""
+    if device == "auto":
+        has_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+        return "gpu" if has_gpu else "cpu"
+    if device in ("gpu", "cuda"):
+        if not paddle.is_compiled_with_cuda():
+            raise ConfigError(f"device {device!r}: this Paddle build has no CUDA (paddle.is_compiled_with_cuda() is "
+                              "False); install paddlepaddle-gpu or use device='cpu'")
+        return "gpu"
+    if device == "cpu":
+        return "cpu"
+    raise ConfigError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
+    """Compute dtype. Paddle's CPU kernels are fp32-only (bf16 checkpoints are upcast); on a GPU
+    ``"auto"`` keeps a bf16/fp16 checkpoint's dtype. Recurrent state, router and logits stay fp32."""
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    if device == "cpu":
+        if dtype not in ("auto", "float32"):
+            raise ConfigError(f"dtype {dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
+        return "float32"
+    if dtype == "auto":
+        return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "float32"
+    return dtype
+
+
 def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
     """Parse config.json and the engine arguments into ``(model_class, FDConfig)``; raises
     ``ConfigError`` naming the field for anything inconsistent."""
-    if args.device not in ("auto", "cpu"):
-        raise ConfigError(f"device {args.device!r} is not available in this build (Paddle CPU); use 'cpu' or 'auto'")
-    if args.dtype not in ("auto", "float32"):
-        raise ConfigError(f"dtype {args.dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
+    device = resolve_device(args.device)
     if not isinstance(args.tensor_parallel_size, int) or args.tensor_parallel_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive int, got {args.tensor_parallel_size!r}")
 
     hf_config = load_hf_config(args.model)
+    dtype = resolve_dtype(args.dtype, device, str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"))
     model_cls = get_model_class(architecture_of(hf_config))
     model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(args.model, "config.json"))
     quant_config = resolve_quant_config(args.quantization, hf_config, model_cls, os.path.join(args.model, "config.json"))
@@ -108,9 +135,21 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
         cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
         scheduler_config=SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill, max_model_len),
         quant_config=quant_config,
-        load_config=LoadConfig(model_path=args.model, dtype="float32"),
+        load_config=LoadConfig(model_path=args.model, dtype=dtype, device=device),
     )
     return model_cls, fd_config
+
+
+def set_device(args: EngineArgs, local_rank: int = 0) -> str:
+    """Select this process's device (GPU ``local_rank`` for a tensor-parallel rank); on CPU also the
+    thread count. Returns ``"cpu"`` or ``"gpu"``."""
+    device = resolve_device(args.device)
+    if device == "gpu":
+        paddle.set_device(f"gpu:{local_rank}")
+    else:
+        paddle.set_device("cpu")
+        set_cpu_threads(args)
+    return device
 
 
 def build_model(model_cls, fd_config, load: bool = True):
@@ -136,8 +175,6 @@ class LLMEngine:
 
         args = EngineArgs(model=model, **kwargs)
         self.args = args
-        paddle.set_device("cpu")
-        set_cpu_threads(args)
         tp = args.tensor_parallel_size
         launched = distributed.launched_world_size()
         rank = 0
@@ -147,8 +184,11 @@ class LLMEngine:
                                   f"tensor_parallel_size={tp}; they must be equal")
             import paddle.distributed as dist
 
+            set_device(args, int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("FLAGS_selected_gpus", "0"))))
             dist.init_parallel_env()
             rank = dist.get_rank()
+        else:
+            set_device(args)
         model_cls, self.fd_config = build_fd_config(args, rank=rank)
         model_config = self.fd_config.model_config
         self.max_model_len = self.fd_config.scheduler_config.max_model_len
@@ -174,7 +214,9 @@ class LLMEngine:
         elif launched > 1:
             self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
         else:
-            self.runner = distributed.DistributedRunner(args, num_kv_blocks, max_num_seqs)
+            # NCCL on GPUs, gloo on CPU (unverified on GPU here: no machine has Paddle with CUDA).
+            backend = "nccl" if self.fd_config.load_config.device == "gpu" else "gloo"
+            self.runner = distributed.DistributedRunner(args, num_kv_blocks, max_num_seqs, backend=backend)
         has_state = self.model.state_cache_spec() is not None
         state_slots = StateSlotAllocator(max_num_seqs) if has_state else None
         self.block_manager = BlockManager(num_kv_blocks, block_size)

@@ -41,3 +41,18 @@ def test_token_ids_in_sampling_params_are_checked(tiny_qwen2_dir):
         llm.generate("hi", SamplingParams(stop_token_ids=[100000]), use_tqdm=False)
     with pytest.raises(ValueError, match=r"bad_words_token_ids: token id 99999"):
         llm.generate("hi", SamplingParams(bad_words_token_ids=[99999]), use_tqdm=False)
+
+
+def test_device_and_dtype_resolution_on_this_cpu_build(tiny_qwen2_dir):
+    from fastdeploy_ext.config.base import ConfigError
+    from fastdeploy_ext.engine.engine import resolve_device, resolve_dtype
+
+    assert resolve_device("auto") == "cpu"  # no CUDA in this Paddle build
+    with pytest.raises(ConfigError, match="no CUDA.*paddlepaddle-gpu"):
+        LLM(model=tiny_qwen2_dir, device="gpu")
+    with pytest.raises(ConfigError, match="float32 only"):
+        LLM(model=tiny_qwen2_dir, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="device must be"):
+        LLM(model=tiny_qwen2_dir, device="tpu")
+    # The GPU rule (unverified here): a bf16 checkpoint computes in bf16 under "auto".
+    assert resolve_dtype("auto", "gpu", "bfloat16") == "bfloat16" and resolve_dtype("auto", "cpu", "bfloat16") == "float32"

@@ -240,7 +240,7 @@ class MiDashengLMModel(ModelForCausalLM):
             return text, list(ids), None
         out, positions, num_tokens, prev = [], [], [], 0
         for p, wave in zip(places, clips):
-            n = audio_token_count(wave.shape[0])
+            n = audio_token_count(wave.shape[0], self.cfg.subsample_factor)
             wrapped = 0 < p < len(ids) - 1 and ids[p - 1] == bos_id and ids[p + 1] == eos_id
             out.extend(ids[prev:p] if wrapped else [*ids[prev:p], bos_id])
             positions.extend(range(len(out), len(out) + n))

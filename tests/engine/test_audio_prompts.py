@@ -192,3 +192,21 @@ def test_chat_audio_part_errors(llm, part, match):
     with pytest.raises((ValueError, TypeError), match=match):
         llm.chat(messages, GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_subsample_factor_sets_the_audio_token_count(tmp_path):
+    """N(L) divides by the checkpoint's subsample_factor (5 in every release): with k = 2 a 1 s clip
+    takes ((1 + 16000 // 160) // 4) // 2 = 12 tokens, and the projector yields exactly those rows."""
+    from fastdeploy_ext import LLM, SamplingParams
+    from fastdeploy_ext.layers.audio.io import audio_token_count
+    from fastdeploy_ext.tiny import write_tiny
+
+    assert audio_token_count(16000, 2) == 12 and audio_token_count(16000) == 5
+    d = str(tmp_path / "k2")
+    write_tiny("MiDashengLMModel", d, seed=4, subsample_factor=2)
+    llm = LLM(model=d, max_model_len=256)
+    audio_id = llm.tokenizer.token_to_id("<|AUDIO|>")
+    wave = (np.random.default_rng(60).standard_normal(16000) * 0.1).astype(np.float32)
+    out = llm.generate({"prompt": "<|audio_bos|><|AUDIO|><|audio_eos|>hi", "multimodal_data": {"audio": [wave]}},
+                       SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids.count(audio_id) == 12

@@ -138,11 +138,12 @@ def pad_to_min_samples(waveform: np.ndarray) -> np.ndarray:
     return np.pad(waveform, (0, MIN_SAMPLES - waveform.shape[0]))
 
 
-def audio_token_count(num_samples: int) -> int:
+def audio_token_count(num_samples: int, subsample_factor: int = SUBSAMPLE_FACTOR) -> int:
     """Number of ``<|AUDIO|>`` tokens for a 16 kHz clip of ``num_samples`` samples.
 
-    ``N(L) = ((1 + L // 160) // 4) // 5`` with vLLM's clamp: ``L`` below 3200 counts as 3200 (the clip is zero-padded,
-    see :func:`pad_to_min_samples`) and ``N >= 1``. 1 s -> 5, 10 s -> 50, 10.08 s -> 50, 30 s -> 150.
+    ``N(L) = ((1 + L // 160) // 4) // k`` (``k`` = the projector's ``subsample_factor``, 5 in every released
+    checkpoint) with vLLM's clamp: ``L`` below 3200 counts as 3200 (the clip is zero-padded, see
+    :func:`pad_to_min_samples`) and ``N >= 1``. k = 5: 1 s -> 5, 10 s -> 50, 10.08 s -> 50, 30 s -> 150.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
         raise TypeError(f"num_samples must be an int, got {type(num_samples).__name__}")
@@ -150,4 +151,4 @@ def audio_token_count(num_samples: int) -> int:
         raise ValueError(f"num_samples must be positive, got {num_samples}")
     num_samples = max(int(num_samples), MIN_SAMPLES)
     frames = 1 + num_samples // HOP_LENGTH
-    return max(1, frames // PATCH_FRAMES // SUBSAMPLE_FACTOR)
+    return max(1, frames // PATCH_FRAMES // subsample_factor)

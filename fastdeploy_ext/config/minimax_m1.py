@@ -112,8 +112,17 @@ class MiniMaxM1Config:
         if "attn_type_list" in cfg or "decoder_attention_types" in cfg:
             # Original format: the key decides the residual; vLLM's silent default (false) is wrong for every checkpoint.
             postnorm = get_key(cfg, "postnorm", where, types=(bool,))
-        elif postnorm is None:
-            postnorm = True  # HF-native hard-codes post-norm and has no key
+        else:
+            # HF-native hard-codes post-norm and ignores a leftover legacy key; honouring a stray
+            # `postnorm: false` would silently diverge from every implementation of this format.
+            if postnorm is False:
+                raise ConfigError(f"{where}: postnorm=false in an HF-native (layer_types) config: that format is "
+                                  "always post-norm; remove the key")
+            postnorm = True
+        experts = get_key(cfg, "num_local_experts", where, types=(int,))
+        top_k = get_key(cfg, "num_experts_per_tok", where, types=(int,))
+        if not 1 <= top_k <= experts:
+            raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, num_local_experts={experts}]")
         factors = {}
         for name, (orig, native) in _RESIDUAL_KEYS.items():
             for suffix in ("alpha", "beta"):
@@ -133,8 +142,8 @@ class MiniMaxM1Config:
             rotary_dim=_rotary_dim(cfg, head_dim, where),
             rope_theta=rope_theta_of(cfg, where),
             layer_types=layer_types,
-            num_local_experts=get_key(cfg, "num_local_experts", where, types=(int,)),
-            num_experts_per_tok=get_key(cfg, "num_experts_per_tok", where, types=(int,)),
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
             rms_norm_eps=float(get_key(cfg, "rms_norm_eps", where, types=(int, float))),
             max_position_embeddings=get_key(cfg, "max_position_embeddings", where, types=(int,)),
             postnorm=postnorm,

@@ -318,9 +318,19 @@ def _without(cfg, *keys):
     (lambda c: dict(c, shared_intermediate_size=16), "shared_intermediate_size"),
     (lambda c: _without(c, "postnorm"), "postnorm"),
     (lambda c: dict(c, partial_rotary_factor=1.0), "rotary_dim.*disagree"),
+    (lambda c: dict(c, num_experts_per_tok=c["num_local_experts"] + 1), "num_experts_per_tok"),
 ], ids=["head_dim", "rotary", "types_len", "types_value", "types_missing", "alpha_missing", "alpha_conflict",
-        "shared_expert", "postnorm_missing", "rotary_conflict"])
+        "shared_expert", "postnorm_missing", "rotary_conflict", "top_k_over_experts"])
 def test_config_errors(tmp_path, edit, match):
     raw = write_tiny("MiniMaxM1ForCausalLM", str(tmp_path / "m"))
     with pytest.raises(ConfigError, match=match):
         MiniMaxM1Config.from_hf_config(edit(raw))
+
+
+def test_hf_native_refuses_a_stray_postnorm_false(tmp_path):
+    """HF-native MiniMax is always post-norm and ignores legacy keys; a leftover `postnorm: false` must not
+    switch this implementation to the pre-norm residual behind the reference's back."""
+    raw = write_tiny("MiniMaxForCausalLM", str(tmp_path / "m"))
+    assert MiniMaxM1Config.from_hf_config(dict(raw, postnorm=True)).postnorm is True
+    with pytest.raises(ConfigError, match="postnorm=false.*always post-norm"):
+        MiniMaxM1Config.from_hf_config(dict(raw, postnorm=False))

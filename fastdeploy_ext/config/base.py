@@ -115,6 +115,11 @@ class QuantConfig:
     desc_act: bool = False
     zero_point_offset: int = 0
     weight_block_size: tuple = (128, 128)
+    # The model's fused parameter -> checkpoint projections (e.g. qkv_proj -> q/k/v_proj): skip lists name
+    # the checkpoint's modules, the layers carry the fused names.
+    packed_modules_mapping: dict = field(default_factory=dict)
+    # Whether skip entries come from the user (a typo is an error) or a checkpoint (warned).
+    skip_from_checkpoint: bool = False
 
     def get_quant_method(self, layer):
         """The layer's quantization method, or None for full precision."""

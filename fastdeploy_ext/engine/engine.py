@@ -158,13 +158,33 @@ def build_model(model_cls, fd_config, load: bool = True):
     with paddle.no_grad():
         if not load:
             with paddle.LazyGuard():
-                return model_cls(fd_config)
+                model = model_cls(fd_config)
+            _check_skip_entries(model, fd_config.quant_config)
+            return model
         model = model_cls(fd_config)
+        _check_skip_entries(model, fd_config.quant_config)
         model.eval()
         model.load_weights(iterate_checkpoint(fd_config.load_config.model_path))
         logger.info("%s", describe_weight_bytes(model, fd_config.parallel_config.tensor_parallel_rank,
                                                 fd_config.quant_config.method))
         return model
+
+
+def _check_skip_entries(model, quant_config) -> None:
+    """A skip entry that names nothing is a user's typo (error) or a checkpoint listing another model's
+    names (warned: the checkpoint still loads, strictly, by its tensors)."""
+    from fastdeploy_ext.quantization.methods import unmatched_skip_entries
+
+    if quant_config.method is None or not quant_config.skip_modules:
+        return
+    unmatched = unmatched_skip_entries(model, quant_config)
+    if not unmatched:
+        return
+    message = f"quantization skip entries {unmatched} match no module of the model (module paths, exact prefix)"
+    if quant_config.skip_from_checkpoint:
+        logger.warning("config.json quantization_config: %s", message)
+    else:
+        raise ConfigError(message)
 
 
 class LLMEngine:

@@ -158,6 +158,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 class MiniMaxM1ForCausalLM(ModelForCausalLM):
     config_class = MiniMaxM1Config
+    # The full-attention layers' fused qkv_proj packs q/k/v_proj (lightning layers store qkv_proj as is);
+    # quantization skip lists name checkpoint modules.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     # A cached KV prefix is useless without the lightning state at exactly that position.
     supports_prefix_caching = False
 

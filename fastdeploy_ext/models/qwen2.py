@@ -111,6 +111,8 @@ class Qwen2Model(nn.Layer):
 
 class Qwen2ForCausalLM(ModelForCausalLM):
     config_class = Qwen2Config
+    # Fused parameter -> checkpoint projections (quantization skip lists name the latter).
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -14,12 +14,14 @@ def resolve_quant_config(quantization, hf_config: dict, model_cls=None, where: s
     is used and an online method on top of it is an error. The model class's ``quant_skip_modules`` (e.g.
     MiDashengLM's audio encoder and projector) are always kept in full precision."""
     model_skip = tuple(getattr(model_cls, "quant_skip_modules", ()))
+    packed = dict(getattr(model_cls, "packed_modules_mapping", None) or {})
     ckpt = hf_config.get("quantization_config")
     if ckpt is not None:
         if quantization is not None:
             raise ConfigError(f"{where}: the checkpoint is already quantized (quantization_config.quant_method "
                               f"{ckpt.get('quant_method')!r}); quantization={quantization!r} cannot be applied on top")
-        return _from_checkpoint(ckpt, model_skip, where)
+        return dataclasses.replace(_from_checkpoint(ckpt, model_skip, where), packed_modules_mapping=packed,
+                                   skip_from_checkpoint=True)
     if quantization is None:
         return QuantConfig()
     if isinstance(quantization, str):
@@ -36,7 +38,8 @@ def resolve_quant_config(quantization, hf_config: dict, model_cls=None, where: s
                           f"{', '.join(ONLINE_METHODS)} (gptq and fp8 checkpoints are detected from config.json)")
     if not isinstance(quantization.group_size, int) or quantization.group_size < 2 or quantization.group_size % 2:
         raise ConfigError(f"quantization group_size must be an even int >= 2, got {quantization.group_size!r}")
-    return dataclasses.replace(quantization, skip_modules=tuple(quantization.skip_modules) + model_skip)
+    return dataclasses.replace(quantization, skip_modules=tuple(quantization.skip_modules) + model_skip,
+                               packed_modules_mapping=packed)
 
 
 def _from_checkpoint(qc: dict, model_skip: tuple, where: str) -> QuantConfig:

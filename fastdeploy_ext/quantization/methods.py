@@ -52,9 +52,41 @@ ONLINE_METHODS = ("wint8", "wint4")
 CHECKPOINT_METHODS = ("gptq", "fp8")
 
 
-def is_skipped(prefix: str, skip_modules) -> bool:
-    """Exact-prefix match on module paths: ``decoder`` skips ``decoder.x`` but not ``decoder2.x``."""
-    return any(prefix == s or prefix.startswith(s + ".") for s in skip_modules)
+def _under(prefix: str, entry: str) -> bool:
+    """Exact-prefix match on module paths: ``decoder`` covers ``decoder.x`` but not ``decoder2.x``."""
+    return prefix == entry or prefix.startswith(entry + ".")
+
+
+def checkpoint_names(prefix: str, packed_modules_mapping: dict) -> list:
+    """The checkpoint module names behind a layer: its own, or, for a fused parameter such as
+    ``...self_attn.qkv_proj``, the projections it packs (``...self_attn.q_proj`` etc.)."""
+    parent, _, leaf = prefix.rpartition(".")
+    parts = packed_modules_mapping.get(leaf)
+    return [f"{parent}.{p}" if parent else p for p in parts] if parts else [prefix]
+
+
+def is_skipped(prefix: str, skip_modules, packed_modules_mapping: dict | None = None) -> bool:
+    """Whether a layer stays in full precision: its path, or every checkpoint projection it fuses, is
+    listed (exact prefix). Naming only some of a fused layer's projections cannot be honoured: error."""
+    if any(_under(prefix, s) for s in skip_modules):
+        return True
+    names = checkpoint_names(prefix, packed_modules_mapping or {})
+    hits = [n for n in names if any(_under(n, s) for s in skip_modules)]
+    if hits and len(hits) < len(names):
+        raise ConfigError(f"'{prefix}' fuses {names} into one quantized weight; skip_modules / modules_to_not_convert "
+                          f"name only {hits} (list all of them, or '{prefix}')")
+    return bool(hits)
+
+
+def unmatched_skip_entries(model, quant_config) -> list:
+    """Skip entries that name no module of ``model`` (typos, or another model's names)."""
+    names = set()
+    for _, layer in model.named_sublayers(include_self=True):
+        prefix = getattr(layer, "prefix", None)
+        if isinstance(prefix, str) and prefix:
+            names.add(prefix)
+            names.update(checkpoint_names(prefix, quant_config.packed_modules_mapping))
+    return [s for s in quant_config.skip_modules if not any(_under(n, s) for n in names)]
 
 
 def get_quant_method(quant_config, layer):
@@ -62,7 +94,7 @@ def get_quant_method(quant_config, layer):
     layer that pins its own weight dtype such as the fp32 MoE router)."""
     if quant_config is None or quant_config.method is None:
         return None
-    if layer.skip_quant or is_skipped(layer.prefix, quant_config.skip_modules):
+    if layer.skip_quant or is_skipped(layer.prefix, quant_config.skip_modules, quant_config.packed_modules_mapping):
         return None
     return _LINEAR_METHODS[quant_config.method](quant_config)
 

@@ -5,6 +5,9 @@ loaded from a checkpoint holding the dequantized weights (quantized test-side fr
 ``s = absmax / qmax`` per output channel or per group of input channels, ``q = rint(w / s)``).
 """
 
+import json
+import os
+
 import numpy as np
 import paddle
 import pytest
@@ -153,8 +156,37 @@ def test_quantization_argument_errors(float_dirs):
 
 def test_skip_modules_by_exact_prefix(float_dirs):
     d = float_dirs["Qwen2ForCausalLM"]
-    llm = LLM(model=d, max_model_len=64, quantization=QuantConfig("wint8", skip_modules=("model.layers.1", "model.layers.0.mlp.down")))
+    llm = LLM(model=d, max_model_len=64, quantization=QuantConfig("wint8", skip_modules=("model.layers.1",)))
     names = {n for n, _ in quantized_layers(llm.llm_engine.model)}
-    # "model.layers.0.mlp.down" is not a module path, so it skips nothing.
     assert names == {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                      "model.layers.0.mlp.up_gate_proj", "model.layers.0.mlp.down_proj"}
+    # "model.layers.0.mlp.down" is not a module path (no substring matching): an error, not a silent no-op.
+    with pytest.raises(ConfigError, match="model.layers.0.mlp.down'\\] match no module"):
+        LLM(model=d, max_model_len=64, quantization=QuantConfig("wint8", skip_modules=("model.layers.0.mlp.down",)))
+
+
+def test_skip_lists_name_checkpoint_projections(tmp_path):
+    """Skip lists use the checkpoint's names: all of a fused layer's projections keep it in full precision,
+    some of them is an error (the fused weight is quantized all or none), a name matching nothing is an error."""
+    from fastdeploy_ext.config.base import ConfigError
+
+    qwen = str(tmp_path / "qwen2")
+    write_tiny("Qwen2ForCausalLM", qwen, seed=0)
+    attn = "model.layers.0.self_attn"
+    llm = LLM(model=qwen, max_model_len=64, quantization={"method": "wint8", "skip_modules": [
+        f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]})
+    layers = llm.llm_engine.model.model.layers
+    assert layers[0].self_attn.qkv_proj.quant_method is None and layers[1].mlp.up_gate_proj.quant_method is None
+    assert layers[1].self_attn.qkv_proj.quant_method is not None and layers[0].mlp.up_gate_proj.quant_method is not None
+    with pytest.raises(ConfigError, match=r"qkv_proj' fuses .* name only \['model.layers.0.self_attn.q_proj'\]"):
+        LLM(model=qwen, max_model_len=64, quantization={"method": "wint8", "skip_modules": [f"{attn}.q_proj"]})
+    with pytest.raises(ConfigError, match=r"\['model.layers.0.self_atn'\] match no module"):
+        LLM(model=qwen, max_model_len=64, quantization={"method": "wint8", "skip_modules": ["model.layers.0.self_atn"]})
+
+    m1 = str(tmp_path / "m1")
+    write_tiny("MiniMaxM1ForCausalLM", m1, seed=0)
+    full = [i for i, t in enumerate(json.load(open(os.path.join(m1, "config.json")))["attn_type_list"]) if t == 1][0]
+    prefix = f"model.layers.{full}.self_attn"
+    llm = LLM(model=m1, max_model_len=64, quantization={"method": "wint8", "skip_modules": [
+        f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"]})
+    assert llm.llm_engine.model.model.layers[full].self_attn.qkv_proj.quant_method is None

@@ -80,11 +80,14 @@ class ParallelLMHead(nn.Layer):
         assign(param, as_float32(loaded_weight[start:start + self.per_rank]).T)
         mark_loaded(param)
 
-    def forward(self, hidden: paddle.Tensor, tied_embedding: paddle.Tensor | None = None) -> paddle.Tensor:
-        """``hidden`` ``[T, H]``; with ``tied_embedding`` (the local embedding shard) the head reuses it."""
-        hidden = hidden.astype("float32")
-        if tied_embedding is not None:
-            logits = paddle.matmul(hidden, tied_embedding.astype("float32"), transpose_y=True)
-        else:
-            logits = paddle.matmul(hidden, self.linear.weight)
+    def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """``hidden`` ``[T, H]`` → fp32 logits ``[T, V]``."""
+        logits = paddle.matmul(hidden.astype("float32"), self.linear.weight)
         return tensor_model_parallel_all_gather(logits, self.fd_config, axis=-1)
+
+
+def tied_lm_logits(embed_tokens: VocabParallelEmbedding, hidden: paddle.Tensor, fd_config) -> paddle.Tensor:
+    """fp32 logits ``[T, V]`` from the (vocab-parallel) input embedding, for tied ``lm_head`` configs."""
+    weight = embed_tokens.embeddings.weight.astype("float32")
+    logits = paddle.matmul(hidden.astype("float32"), weight, transpose_y=True)
+    return tensor_model_parallel_all_gather(logits, fd_config, axis=-1)

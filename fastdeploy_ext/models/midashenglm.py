@@ -28,7 +28,8 @@ from fastdeploy_ext.layers.audio.io import audio_token_count, load_audio, pad_to
 from fastdeploy_ext.layers.embeddings import ParallelLMHead
 from fastdeploy_ext.layers.utils import WeightLoadError
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, load_weights_by_table
-from fastdeploy_ext.models.qwen2 import QWEN2_IGNORED, Qwen2Model, _check_tied_head, _tied_logits
+from fastdeploy_ext.layers.embeddings import tied_lm_logits
+from fastdeploy_ext.models.qwen2 import QWEN2_IGNORED, Qwen2Model, _check_tied_head
 
 AUDIO_TOKEN = "<|AUDIO|>"
 AUDIO_BOS = "<|audio_bos|>"
@@ -122,7 +123,7 @@ class MiDashengLMDecoder(nn.Layer):
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """``[N, hidden]`` -> fp32 ``[N, vocab]``."""
         if self.lm_head is None:
-            return _tied_logits(self.model.embed_tokens, hidden, self.fd_config)
+            return tied_lm_logits(self.model.embed_tokens, hidden, self.fd_config)
         return self.lm_head(hidden)
 
 

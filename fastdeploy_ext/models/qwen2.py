@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-import paddle
 from paddle import nn
 
 from fastdeploy_ext.config.qwen2 import Qwen2Config
 from fastdeploy_ext.layers.attention import Attention
-from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
+from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding, tied_lm_logits
 from fastdeploy_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
@@ -130,7 +129,7 @@ class Qwen2ForCausalLM(ModelForCausalLM):
 
     def compute_logits(self, hidden):
         if self.lm_head is None:
-            return _tied_logits(self.model.embed_tokens, hidden, self.fd_config)
+            return tied_lm_logits(self.model.embed_tokens, hidden, self.fd_config)
         return self.lm_head(hidden)
 
     def kv_cache_spec(self):
@@ -140,13 +139,6 @@ class Qwen2ForCausalLM(ModelForCausalLM):
     def load_weights(self, weights) -> set:
         weights = _check_tied_head(weights, self.cfg.tie_word_embeddings, "lm_head.weight", "model.embed_tokens.weight")
         return load_weights_by_table(self, weights, QWEN2_STACKED_PARAMS, ignore=QWEN2_IGNORED)
-
-
-def _tied_logits(embed_tokens: VocabParallelEmbedding, hidden, fd_config):
-    from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_gather
-
-    logits = paddle.matmul(hidden.astype("float32"), embed_tokens.embeddings.weight.astype("float32"), transpose_y=True)
-    return tensor_model_parallel_all_gather(logits, fd_config, axis=-1)
 
 
 def _check_tied_head(weights, tied: bool, head_name: str, embed_name: str):

@@ -172,7 +172,7 @@ def make_seq_inputs(seqs: list[ScheduledSeq]) -> list[SeqInput]:
         prefill = s.start < len(r.prompt_token_ids)
         out.append(SeqInput(
             request_id=r.request_id,
-            token_ids=r.all_token_ids[s.start:s.start + s.num_new_tokens],
+            token_ids=_token_slice(r, s.start, s.start + s.num_new_tokens),
             start=s.start,
             block_ids=list(r.block_ids),
             state_slot=r.state_slot,
@@ -182,3 +182,14 @@ def make_seq_inputs(seqs: list[ScheduledSeq]) -> list[SeqInput]:
             multimodal_inputs=r.multimodal_inputs if prefill else None,
         ))
     return out
+
+
+def _token_slice(request, lo: int, hi: int) -> list:
+    """``request.all_token_ids[lo:hi]`` without concatenating prompt and output (a decode step of a
+    long prompt would otherwise copy the whole prompt every step)."""
+    n = len(request.prompt_token_ids)
+    if lo >= n:
+        return request.output_token_ids[lo - n:hi - n]
+    if hi <= n:
+        return request.prompt_token_ids[lo:hi]
+    return request.prompt_token_ids[lo:] + request.output_token_ids[: hi - n]

@@ -158,8 +158,8 @@ def _cmd_align(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastdeploy-ext", description=__doc__.split(":")[0] + ": MiniMax-M1 and "
-                                "MiDashengLM on a FastDeploy-style Paddle engine.")
+    p = argparse.ArgumentParser(prog="fastdeploy-ext", description="MiniMax-M1 and MiDashengLM on a "
+                                "FastDeploy-style PaddlePaddle engine.")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="write a tiny random checkpoint (offline) and generate with it")

@@ -20,6 +20,17 @@ DECODER_LINEAR = re.compile(
 PROMPT_LEN = 257  # 256 scored positions
 
 
+def write_float_dirs(tmp_path_factory, archs, seed: int) -> dict:
+    """A tiny float checkpoint per architecture (the unquantized reference of each test module)."""
+    from fastdeploy_ext.tiny import write_tiny
+
+    dirs = {}
+    for arch in archs:
+        dirs[arch] = str(tmp_path_factory.mktemp(arch))
+        write_tiny(arch, dirs[arch], seed=seed)
+    return dirs
+
+
 def copy_side_files(src: str, dst: str) -> None:
     os.makedirs(dst, exist_ok=True)
     for fn in os.listdir(src):

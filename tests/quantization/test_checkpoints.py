@@ -19,8 +19,8 @@ import pytest
 from fastdeploy_ext import LLM
 from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.layers.utils import WeightLoadError
-from fastdeploy_ext.tiny import write_tiny
 from tests.quantization.helpers import (
+    write_float_dirs,
     DECODER_LINEAR,
     copy_side_files,
     dequantized_weights,
@@ -134,12 +134,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
-    dirs = {}
-    for arch in ARCHS:
-        d = str(tmp_path_factory.mktemp(arch))
-        write_tiny(arch, d, seed=5)
-        dirs[arch] = d
-    return dirs
+    return write_float_dirs(tmp_path_factory, ARCHS, seed=5)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -17,6 +17,7 @@ from fastdeploy_ext.config.base import ConfigError, QuantConfig
 from fastdeploy_ext.layers.linear import LinearBase
 from fastdeploy_ext.tiny import write_tiny
 from tests.quantization.helpers import (
+    write_float_dirs,
     DECODER_LINEAR,
     dequantized_weights,
     float_weights,
@@ -48,12 +49,7 @@ def reference_dequantize(w: np.ndarray, group, qmax: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
-    dirs = {}
-    for arch in ARCHS:
-        d = str(tmp_path_factory.mktemp(arch))
-        write_tiny(arch, d, seed=3)
-        dirs[arch] = d
-    return dirs
+    return write_float_dirs(tmp_path_factory, ARCHS, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 from paddle import nn
+from paddle.utils import dlpack
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
@@ -108,30 +109,73 @@ class FusedMoE(nn.Layer):
 
     def forward(self, x: paddle.Tensor, gate: nn.Layer) -> paddle.Tensor:
         """``x`` ``[T, hidden]``; ``gate`` maps fp32 ``[T, hidden]`` to router logits ``[T, E]``."""
-        t = x.shape[0]
-        probs = nn.functional.softmax(gate(x.astype("float32")).astype("float32"), axis=-1)
-        top_w, top_i = paddle.topk(probs, self.top_k, axis=-1)
-        if self.renormalize:
-            top_w = top_w / paddle.sum(top_w, axis=-1, keepdim=True)
-        # Group the T*k (token, expert) pairs by expert on the host (the routing is tiny), gather every
-        # routed row once, run one matmul pair per expert that got tokens, and add back in one op.
-        flat_expert = top_i.reshape([-1]).numpy()
-        order = np.argsort(flat_expert, kind="stable")
-        tokens = paddle.to_tensor(order // self.top_k)
-        weights = paddle.gather(top_w.reshape([-1]), paddle.to_tensor(order)).unsqueeze(1)
-        counts = np.bincount(flat_expert, minlength=self.num_experts)
-        rows = paddle.gather(x, tokens)
-        ys, start = [], 0
-        for e, count in enumerate(counts.tolist()):
-            if count == 0:
-                continue
-            # up_gate_proj_weight holds the gate columns first: swiglu(a) = silu(a[:, :I]) * a[:, I:].
-            act = nn.functional.swiglu(paddle.matmul(rows[start:start + count], self._expert_weight("up_gate_proj_weight", e)))
-            ys.append(paddle.matmul(act, self._expert_weight("down_proj_weight", e)))
-            start += count
-        y = ys[0] if len(ys) == 1 else paddle.concat(ys, axis=0)
-        out = paddle.index_add(paddle.zeros([t, self.hidden_size], dtype="float32"), tokens, 0, y.astype("float32") * weights)
-        out = out.astype(x.dtype)
+        t, k, num_experts = x.shape[0], self.top_k, self.num_experts
+        # The routing is tiny ([T, E]): it runs on the host, and so does the dispatch bookkeeping.
+        top_i, top_w = route(gate(x.astype("float32")).astype("float32").numpy(), k, self.renormalize)
+        # Dispatch: pair p = (token p // k, expert top_i.flat[p]) takes row dest[p] of a zero-padded
+        # [E, cap, hidden] batch (cap = the busiest expert's pair count), so each projection is one batched
+        # matmul over the stacked weights instead of a small matmul per expert.
+        flat = top_i.reshape(-1)
+        counts = np.bincount(flat, minlength=num_experts)
+        cap = int(counts.max())
+        order = np.argsort(flat, kind="stable")
+        dest = np.empty_like(order)
+        dest[order] = flat[order] * cap + np.arange(t * k) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = _gather_rows(x, np.arange(t * k) // k, dest, num_experts * cap)
+        act = nn.functional.swiglu(self._project("up_gate_proj_weight", rows.reshape([num_experts, cap, -1]), counts))
+        y = self._project("down_proj_weight", act, counts).reshape([num_experts * cap, self.hidden_size])
+        out = _combine(y.astype("float32"), dest.reshape(t, k), top_w).astype(x.dtype)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.fd_config)
         return out
+
+    def _project(self, name: str, rows: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+        """``rows`` ``[E, cap, in]`` times each expert's weight → ``[E, cap, out]``. Quantized experts are
+        dequantized one at a time, and only those that got tokens (their padded rows stay zero)."""
+        if self.quant_method is None:
+            return paddle.bmm(rows, getattr(self, name))
+        out = [paddle.matmul(rows[e], self._expert_weight(name, e)) if counts[e] else None
+               for e in range(self.num_experts)]
+        zero = paddle.zeros_like(next(o for o in out if o is not None))
+        return paddle.stack([zero if o is None else o for o in out])
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 softmax over the experts, top-k (ties to the lower expert id), optionally renormalised:
+    ``(expert ids [T, k], weights [T, k])``."""
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top_i = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    top_w = np.take_along_axis(probs, top_i, axis=-1)
+    if renormalize:
+        top_w /= top_w.sum(axis=-1, keepdims=True)
+    return top_i, top_w
+
+
+def _host(t: paddle.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor's memory (None on other devices)."""
+    return np.from_dlpack(t) if t.place.is_cpu_place() else None
+
+
+def _gather_rows(x: paddle.Tensor, src: np.ndarray, dest: np.ndarray, num_rows: int) -> paddle.Tensor:
+    """``out[dest] = x[src]`` into a zeroed ``[num_rows, hidden]``. On CPU in NumPy (Paddle's CPU gather and
+    scatter are several times slower than a memcpy)."""
+    host = _host(x.contiguous())
+    if host is not None:
+        out = np.zeros((num_rows, host.shape[1]), host.dtype)
+        out[dest] = host[src]
+        return dlpack.from_dlpack(out)
+    rows = paddle.gather(x, paddle.to_tensor(src))
+    return paddle.scatter(paddle.zeros([num_rows, x.shape[1]], x.dtype), paddle.to_tensor(dest), rows)
+
+
+def _combine(y: paddle.Tensor, dest: np.ndarray, weights: np.ndarray) -> paddle.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[dest[t, j]]`` → ``[T, hidden]`` fp32."""
+    host = _host(y)
+    if host is not None:
+        out = host[dest[:, 0]] * weights[:, :1]
+        for j in range(1, dest.shape[1]):
+            out += host[dest[:, j]] * weights[:, j:j + 1]
+        return dlpack.from_dlpack(out)
+    picked = paddle.gather(y, paddle.to_tensor(dest.reshape(-1))).reshape([dest.shape[0], dest.shape[1], -1])
+    return paddle.sum(picked * paddle.to_tensor(weights).unsqueeze(-1), axis=1)

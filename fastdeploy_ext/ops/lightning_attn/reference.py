@@ -1,20 +1,31 @@
-"""Lightning attention (MiniMax linear attention with per-head decay) in plain Paddle, fp32.
+"""Lightning attention (MiniMax linear attention with per-head decay), fp32 on the host.
 
 This is the definition the Triton kernels are tested against (together with an independent
-float64 recurrence in the tests). Math and the derivation of the block form: README.md beside
-this file. Per head, with decay ``lam = exp(-slope)``::
+float64 recurrence in the tests), and the CPU path of the engine. Math and the derivation of the
+block form: README.md beside this file. Per head, with decay ``lam = exp(-slope)``::
 
     S_t = lam * S_{t-1} + k_t^T v_t        S: [D, D], rows = key dim, cols = value dim
     o_t = q_t S_t                           no scale, no normalisation
 
-Prefill evaluates the recurrence block by block (intra block with a decay mask, inter block with
-``lam**(i+1)``), vectorised over heads; decode applies one step to a batch of slots.
+Prefill evaluates the recurrence in the block form, vectorised over sequences, blocks and heads:
+every block's intra term and key-value sum in batched matmuls, then a short scan over the block
+index (vectorised over sequences) for the states the inter terms need. Decode applies one step to
+a batch of slots. Everything runs in NumPy on the tensors' memory (DLPack, zero-copy): Paddle's CPU
+transposes, gathers and broadcasts are several times slower than NumPy's, and the per-sequence,
+per-block Paddle loop this replaces spent more time dispatching than computing on short prompts.
 """
 
 import numpy as np
 import paddle
+from paddle.utils import dlpack
 
 __all__ = ["lightning_attn_prefill", "lightning_attn_decode"]
+
+# Largest temporary of one prefill group (scores [blocks, H, B, B], states [blocks, H, D, D], padded
+# q/k/v/o [tokens, H, D]), in float32 elements: a long batch runs as several groups, carrying the state.
+_GROUP_ELEMENTS = 1 << 24
+# Decode updates the states in chunks of about this many bytes (a fraction of a core's L2).
+_DECODE_CHUNK_BYTES = 1 << 19
 
 
 def lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, *, block_size=256):
@@ -51,36 +62,101 @@ def lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, *,
         raise ValueError(f"slot_ids must lie in [0, {num_slots}) for prefill, got {slots.tolist()}")
     if np.unique(slots).shape[0] != slots.shape[0]:
         raise ValueError(f"slot_ids must be distinct within one prefill batch, got {slots.tolist()}")
+    if total == 0:
+        return paddle.zeros([0, num_heads, head_dim], dtype="float32")
 
-    neg_slope = -slopes.reshape([num_heads, 1, 1])
-    pos = paddle.arange(block_size, dtype="float32")
-    # Decay mask for a full block, M[h, i, j] = lam_h^(i-j) for i >= j else 0; a shorter block
-    # uses its top-left corner, since the mask only depends on i - j.
-    diff = pos.reshape([-1, 1]) - pos.reshape([1, -1])
-    full_mask = paddle.where(diff >= 0, paddle.exp(neg_slope * paddle.clip(diff, min=0.0)), paddle.zeros_like(diff))
-    # lam^(i+1): the query at local position i sees the state before the block decayed i+1 times.
-    full_q_decay = paddle.exp(neg_slope * (pos + 1.0).reshape([1, -1, 1]))
+    x = _Prefill(_host(q), _host(k), _host(v), _host(slopes), _host(state_pool), block_size)
+    out = np.empty((total, num_heads, head_dim), np.float32)
+    per_token = num_heads * max(block_size, head_dim, -(-head_dim * head_dim // block_size))
+    group_tokens = max(block_size, _GROUP_ELEMENTS // per_token // block_size * block_size)
+    for starts, lengths, group_slots in _groups(cu, slots, group_tokens, block_size):
+        x.run(starts, lengths, group_slots, out)
+    return dlpack.from_dlpack(out)
 
-    outputs = []
-    with paddle.no_grad():
-        for b in range(cu.shape[0] - 1):
-            start, end, slot = int(cu[b]), int(cu[b + 1]), int(slots[b])
-            state = state_pool[slot]
-            for t0 in range(start, end, block_size):
-                m = min(block_size, end - t0)
-                qb = q[t0 : t0 + m].transpose([1, 0, 2])
-                kb = k[t0 : t0 + m].transpose([1, 0, 2])
-                vb = v[t0 : t0 + m].transpose([1, 0, 2])
-                scores = paddle.matmul(qb, kb, transpose_y=True) * full_mask[:, :m, :m]
-                ob = paddle.matmul(scores, vb) + full_q_decay[:, :m] * paddle.matmul(qb, state)
-                outputs.append(ob.transpose([1, 0, 2]))
-                # Key j of this block decays m-1-j more times before the block ends.
-                k_decay = paddle.exp(neg_slope * (m - 1.0 - pos[:m]).reshape([1, -1, 1]))
-                state = paddle.exp(neg_slope * float(m)) * state + paddle.matmul(k_decay * kb, vb, transpose_x=True)
-            state_pool[slot] = state
-        if not outputs:
-            return paddle.zeros([0, num_heads, head_dim], dtype="float32")
-        return paddle.concat(outputs, axis=0)
+
+def _groups(cu, slots, group_tokens, block_size):
+    """Segments ``(starts, lengths, slots)`` of at most ``group_tokens`` padded tokens per group. Round r
+    takes the r-th ``group_tokens`` piece of every sequence that is that long, so a sequence's pieces run
+    in order (each carries the state the previous one left in the pool) and no group names a slot twice.
+    Pieces end on block boundaries, so the split does not change the rounding."""
+    begin, end = cu[:-1], cu[1:]
+    for r in range(-(-int(np.max(end - begin)) // group_tokens)):
+        first = begin + r * group_tokens
+        live = np.nonzero(first < end)[0]
+        lengths = np.minimum(end[live] - first[live], group_tokens)
+        padded = -(-lengths // block_size) * block_size
+        lo, used = 0, 0
+        for i, p in enumerate(padded.tolist()):
+            if used + p > group_tokens:
+                yield first[live[lo:i]], lengths[lo:i], slots[live[lo:i]]
+                lo, used = i, 0
+            used += p
+        yield first[live[lo:]], lengths[lo:], slots[live[lo:]]
+
+
+class _Prefill:
+    """The block form over one batch's host arrays; ``run`` handles one group of segments."""
+
+    def __init__(self, q, k, v, slopes, pool, block_size):
+        self.q, self.k, self.v, self.pool, self.block = q, k, v, pool, block_size
+        self.neg_slope = -slopes.astype(np.float64)
+        pos = np.arange(block_size)
+        diff = pos[:, None] - pos[None, :]
+        # Decay mask M[h, i, j] = lam_h^(i-j) for i >= j else 0; it depends only on i - j, so a short
+        # last block is a full one whose padded rows (zero keys and values) contribute nothing.
+        self.mask = np.where(diff >= 0, np.exp(self.neg_slope[:, None, None] * np.maximum(diff, 0)), 0.0).astype(np.float32)
+        # lam^(i+1): the query at local position i sees the state before the block decayed i+1 times.
+        self.q_decay = np.exp(self.neg_slope[:, None, None] * (pos + 1.0)[:, None]).astype(np.float32)
+
+    def run(self, starts, lengths, slots, out):
+        bs, (num_heads, head_dim) = self.block, self.q.shape[1:]
+        nblk = -(-lengths // bs)
+        num_blocks = int(nblk.sum())
+        first = np.cumsum(nblk) - nblk  # first block of each segment
+        seg = np.repeat(np.arange(len(lengths)), nblk)
+        blk_len = np.minimum(bs, lengths[seg] - (np.arange(num_blocks) - first[seg]) * bs)
+        # Blocks are strided views [blocks, H, B, D] of token-major rows (BLAS takes the row stride as
+        # is, so no transpose is copied). Only a group whose rows are not one range of whole blocks is
+        # gathered into a zero-padded buffer (padded keys and values contribute nothing).
+        offset = np.cumsum(lengths) - lengths
+        local = np.arange(int(lengths.sum())) - np.repeat(offset, lengths)
+        rows = np.repeat(starts, lengths) + local
+        direct = bool(np.all(blk_len == bs) and np.all(starts[1:] == starts[:-1] + lengths[:-1]))
+        if direct:
+            span = slice(int(starts[0]), int(starts[0]) + len(rows))
+            tokens = [x[span] for x in (self.q, self.k, self.v, out)]
+        else:
+            dest = np.repeat(first * bs, lengths) + local
+            tokens = [np.zeros((num_blocks * bs, num_heads, head_dim), np.float32) for _ in range(4)]
+            for buf, x in zip(tokens, (self.q, self.k, self.v)):
+                buf[dest] = x[rows]
+        qb, kb, vb, ob = (x.reshape(num_blocks, bs, num_heads, head_dim).transpose(0, 2, 1, 3) for x in tokens)
+
+        scores = qb @ kb.swapaxes(2, 3)
+        scores *= self.mask
+        np.matmul(scores, vb, out=ob)
+        # Key j of a block of m tokens decays m-1-j more times before the block ends.
+        k_decay = np.exp(self.neg_slope[None, :, None] * np.maximum(blk_len[:, None, None] - 1 - np.arange(bs), 0))
+        kv = (kb * k_decay[..., None].astype(np.float32)).swapaxes(2, 3) @ vb  # [blocks, H, D, D]
+        blk_decay = np.exp(self.neg_slope[None, :] * blk_len[:, None]).astype(np.float32)[:, :, None, None]
+        # Scan over the block index, all segments at once: with segments ordered by block count
+        # (descending), those that still have a block i are a prefix.
+        order = np.argsort(-nblk, kind="stable")
+        running = np.searchsorted(-nblk[order], -np.arange(int(nblk.max())), side="left")
+        state = self.pool[slots[order]]
+        # Single-block segments starting from zero (new requests) have no inter term at all.
+        inter = running.shape[0] > 1 or state.any()
+        before = np.empty_like(kv)  # state entering each block
+        for i, n in enumerate(running.tolist()):
+            idx = first[order[:n]] + i
+            before[idx] = state[:n]
+            state[:n] *= blk_decay[idx]
+            state[:n] += kv[idx]
+        self.pool[slots[order]] = state
+        if inter:
+            ob += self.q_decay * (qb @ before)
+        if not direct:
+            out[rows] = tokens[3][dest]
 
 
 def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
@@ -108,24 +184,35 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
     if np.unique(live).shape[0] != live.shape[0]:
         raise ValueError(f"non-padding slot_ids must be distinct, got {slots.tolist()}")
 
-    if rows.shape[0] == 0:
-        return paddle.zeros([batch, num_heads, head_dim], dtype="float32")
-    with paddle.no_grad():
-        slot_idx = paddle.to_tensor(live.astype("int64"))
-        padded = rows.shape[0] < batch
-        if padded:
-            row_idx = paddle.to_tensor(rows.astype("int64"))
-            q, k, v = paddle.gather(q, row_idx), paddle.gather(k, row_idx), paddle.gather(v, row_idx)
-        # gather/scatter_ and a matmul outer product: Paddle's CPU indexing and broadcast kernels
-        # are several times slower on a [B, H, D, D] state.
-        lam = paddle.exp(-slopes).reshape([1, num_heads, 1, 1]).expand([live.shape[0], num_heads, 1, 1])
-        state = paddle.gather(state_pool, slot_idx) * lam + paddle.matmul(k.unsqueeze(-1), v.unsqueeze(-2))
-        paddle.scatter_(state_pool, slot_idx, state)
-        live_out = paddle.matmul(q.unsqueeze(-2), state).squeeze(-2)
-        if not padded:
-            return live_out
-        out = paddle.zeros([batch, num_heads, head_dim], dtype="float32")
-        return paddle.scatter(out, row_idx, live_out)
+    out = np.zeros((batch, num_heads, head_dim), np.float32)
+    if rows.shape[0]:
+        pool = _host(state_pool)
+        qh, kh, vh = _host(q), _host(k), _host(v)
+        lam = np.exp(-_host(slopes).astype(np.float64)).astype(np.float32)[:, None, None]
+        # The step streams the states once: it works in place on runs of consecutive slots, a few
+        # sequences at a time, so decay, k^T v update and q S all hit a chunk while it is in cache
+        # (gathering and scattering whole [B, H, D, D] batches costs several extra passes).
+        order = np.argsort(live, kind="stable")
+        live, rows = live[order], rows[order]
+        per_chunk = max(1, _DECODE_CHUNK_BYTES // (4 * num_heads * head_dim * head_dim))
+        update = np.empty((min(per_chunk, rows.shape[0]), num_heads, head_dim, head_dim), np.float32)
+        run_starts = np.flatnonzero(np.diff(live, prepend=-2) != 1).tolist()
+        for lo, end in zip(run_starts, run_starts[1:] + [rows.shape[0]]):
+            for a in range(lo, end, per_chunk):
+                b = min(a + per_chunk, end)
+                r, state, upd = rows[a:b], pool[live[a]:live[a] + b - a], update[:b - a]
+                state *= lam
+                np.multiply(kh[r][..., :, None], vh[r][..., None, :], out=upd)
+                state += upd
+                out[r] = (qh[r][..., None, :] @ state)[..., 0, :]
+    return dlpack.from_dlpack(out)
+
+
+def _host(t):
+    """A NumPy view of a CPU tensor's memory (the pool is updated through it in place)."""
+    if not t.place.is_cpu_place():
+        raise ValueError(f"the reference lightning ops run on CPU tensors, got one on {t.place}")
+    return np.from_dlpack(t)
 
 
 def _check_qkv(q, k, v, *names):

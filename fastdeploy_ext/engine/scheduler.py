@@ -117,7 +117,7 @@ class Scheduler:
         need = self.blocks.blocks_needed(len(request.block_ids), request.num_computed_tokens + num_new)
         if need > self.blocks.num_free:
             return False
-        request.block_ids.extend(self.blocks.allocate(need))
+        request.block_ids.extend(self.blocks.allocate(need, after=request.block_ids[-1] if request.block_ids else None))
         return True
 
     def schedule(self) -> SchedulerOutput:

@@ -1,0 +1,133 @@
+"""Paged softmax attention: the CPU host decode path (per-sequence views or page copies, one segmented
+softmax) against the padded-batch path and a float64 formula, and the block manager's placement.
+
+Tolerance: 1e-5 relative (fp32, one softmax and two dot products of <= 300 terms per output).
+"""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_ext.engine.cache_manager import BlockManager
+from fastdeploy_ext.layers.attention import Attention, build_attention_metadata
+from fastdeploy_ext.layers.forward_meta import ForwardMeta
+
+BLOCK, HEADS, KV_HEADS, DIM = 16, 8, 2, 64
+REL_TOL = 1e-5
+
+
+def _pages(rng, lengths, num_blocks, contiguous):
+    """Page ids per sequence: consecutive runs, or scattered over the pool."""
+    need = [-(-n // BLOCK) for n in lengths]
+    if contiguous:
+        starts = np.cumsum([0] + need[:-1]) + 3  # not starting at page 0
+        return [np.arange(s, s + k) for s, k in zip(starts, need)]
+    perm = rng.permutation(num_blocks)
+    bounds = np.cumsum([0] + need)
+    return [perm[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _decode_step(seed, lengths, contiguous):
+    """A decode-only step over a random cache: each sequence's last position is its new token."""
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in lengths) + 8
+    pages = _pages(rng, lengths, num_blocks, contiguous)
+    tables = np.zeros([len(lengths), max(len(p) for p in pages)], np.int64)
+    for b, p in enumerate(pages):
+        tables[b, : len(p)] = p
+    k_cache = rng.standard_normal([KV_HEADS, num_blocks * BLOCK, DIM]).astype(np.float32)
+    v_cache = rng.standard_normal([KV_HEADS, num_blocks * BLOCK, DIM]).astype(np.float32)
+    q = rng.standard_normal([len(lengths), HEADS, DIM]).astype(np.float32)
+    k = rng.standard_normal([len(lengths), KV_HEADS, DIM]).astype(np.float32)
+    v = rng.standard_normal([len(lengths), KV_HEADS, DIM]).astype(np.float32)
+    meta = build_attention_metadata(np.ones(len(lengths), np.int64), np.array(lengths) - 1, tables, BLOCK,
+                                    num_decode=len(lengths))
+    return q, k, v, k_cache, v_cache, pages, meta
+
+
+def _reference(q, k, v, k_cache, v_cache, pages, lengths):
+    """float64 softmax(q k^T / sqrt(D)) v per sequence, the new token's k/v at its last position."""
+    out = np.zeros(q.shape, np.float64)
+    g = HEADS // KV_HEADS
+    for b, n in enumerate(lengths):
+        rows = (pages[b][:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]
+        keys, vals = k_cache[:, rows].astype(np.float64), v_cache[:, rows].astype(np.float64)
+        keys[:, -1], vals[:, -1] = k[b], v[b]
+        for h in range(HEADS):
+            s = keys[h // g] @ q[b, h].astype(np.float64) / np.sqrt(DIM)
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ vals[h // g]
+    return out
+
+
+def _run(attn, q, k, v, k_cache, v_cache, meta):
+    caches = [(paddle.to_tensor(k_cache), paddle.to_tensor(v_cache))]
+    fm = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=None, seq_lens_encoder=None,
+                     seq_lens_decoder=None, cu_seqlens_q=None, block_tables=None, caches=caches,
+                     attn_metadata=meta, num_decode=meta.num_decode)
+    out = attn(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), fm)
+    return out.numpy().reshape(q.shape), caches[0]
+
+
+def _rel_err(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_host_decode_matches_padded_batches_and_float64(seed, contiguous):
+    lengths = [1, 17, 255, 257, 16, 33, 100][: 4 + seed * 1]
+    q, k, v, k_cache, v_cache, pages, meta = _decode_step(seed, lengths, contiguous)
+    assert (meta.decodes.first_rows >= 0).all() == contiguous
+    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
+    host, (kc, vc) = _run(attn, q, k, v, k_cache, v_cache, meta)  # writes the new rows into kc, vc
+    qs = paddle.to_tensor(q) * attn.scale
+    padded = paddle.concat([attn._decode(qs[g.start:g.start + g.count], kc, vc, g, BLOCK)
+                            for g in meta.decode_groups]).numpy()
+    ref = _reference(q, k, v, k_cache, v_cache, pages, lengths)
+    assert _rel_err(host, ref) < REL_TOL
+    assert _rel_err(padded, ref) < REL_TOL
+    assert np.abs(host - padded).max() < 1e-5
+
+
+def test_host_decode_mixed_views_and_copies():
+    """Some sequences' pages consecutive, others not, in one step."""
+    lengths = [5, 40, 300, 129]
+    q, k, v, k_cache, v_cache, pages, meta = _decode_step(3, lengths, contiguous=True)
+    tables = np.zeros([4, max(len(p) for p in pages)], np.int64)
+    pages[1], pages[3] = pages[1][::-1].copy(), np.roll(pages[3], 1)
+    for b, p in enumerate(pages):
+        tables[b, : len(p)] = p
+    meta = build_attention_metadata(np.ones(4, np.int64), np.array(lengths) - 1, tables, BLOCK, num_decode=4)
+    assert list(meta.decodes.first_rows >= 0) == [True, False, True, False]
+    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
+    host, _ = _run(attn, q, k, v, k_cache, v_cache, meta)
+    assert _rel_err(host, _reference(q, k, v, k_cache, v_cache, pages, lengths)) < REL_TOL
+
+
+def test_block_manager_keeps_sequences_contiguous():
+    bm = BlockManager(64, BLOCK)
+    a = bm.allocate(10)
+    assert a == list(range(10))  # an empty pool: from its start
+    b = bm.allocate(4)
+    assert b == list(range(35, 39))  # centred in the largest gap, [10, 64)
+    assert bm.allocate(2, after=a[-1]) == [10, 11]  # growth in place
+    assert bm.allocate(1, after=b[-1]) == [39]
+    assert bm.num_free == 64 - 17
+
+
+def test_block_manager_fragmented_pool():
+    bm = BlockManager(12, BLOCK)
+    held = [bm.allocate(1) for _ in range(6)]
+    for blocks in held[::2]:
+        bm.free(blocks)
+    free_before = bm.num_free
+    got = bm.allocate(free_before)  # no gap is long enough: pages from several gaps
+    assert len(set(got)) == free_before and not set(got) & {x for h in held[1::2] for x in h}
+    assert bm.num_free == 0
+    with pytest.raises(RuntimeError, match="exhausted"):
+        bm.allocate(1)
+    bm.free(got)
+    # Growth into a taken page falls back to another gap.
+    nxt = bm.allocate(1, after=held[1][0] - 1)
+    assert nxt != held[1] and len(nxt) == 1

@@ -157,6 +157,9 @@ def _segment_output_kernel(
     PRECISION: tl.constexpr,
     RECOMPUTE_MASK: tl.constexpr = False,
     FOLD_OFFSETS: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
+    LOOP_STAGES: tl.constexpr = None,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -185,10 +188,18 @@ def _segment_output_kernel(
         intra_decay = tl.where(causal, tl.exp(neg_s * diff), 0.0)
     q_decay = tl.exp(neg_s * (rows + 1).to(tl.float32))
 
-    for t0 in range(start, end, BT):
+    for t0 in tl.range(start, end, BT, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
         m = tl.minimum(end - t0, BT)
         valid = rows < m
-        if FOLD_OFFSETS:
+        if USE_TMA:
+            # q/k/v are tensor descriptors over [T, H * D]: bulk copies into shared memory. Rows past the
+            # segment belong to the next sequence (or are zero-filled past T); the causal mask keeps them
+            # out of valid rows' outputs and k_decay = 0 keeps them out of the state.
+            q = q_ptr.load([t0, i_h * D])
+            k = k_ptr.load([t0, i_h * D])
+            v = v_ptr.load([t0, i_h * D + i_v * BV])
+            tok = (t0 + rows).to(tl.int64)
+        elif FOLD_OFFSETS:
             q = _load_tile(q_ptr, t0, rows, cols_d, i_h, H, D, valid)
             k = _load_tile(k_ptr, t0, rows, cols_d, i_h, H, D, valid)
             v = _load_tile(v_ptr, t0, rows, cols_v, i_h, H, D, valid)
@@ -280,6 +291,11 @@ class LaunchConfig:
     num_stages: int = 1
     recompute_mask: bool = False  # prefill: rebuild the BT x BT decay mask every chunk (fewer live registers)
     fold_offsets: bool = False  # prefill: scalar int64 chunk base + int32 tile offsets instead of int64 per element
+    tma: bool = False  # prefill: q/k/v chunks through tensor descriptors (bulk copies) instead of pointer loads
+    loop_stages: int | None = None  # prefill: pipelining depth of the chunk loop alone (None: num_stages)
+    warp_specialize: bool = False  # prefill: ask Triton to split the chunk loop into producer/consumer warps
+    maxnreg: int | None = None  # prefill: register cap per thread (more programs per SM, more spills)
+    gluon: bool = False  # prefill: the hand-scheduled Hopper kernel (gluon_kernels.py) for the output pass
 
 
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size):
@@ -418,10 +434,18 @@ def lightning_attn_prefill(
             BR=scan_rows,
             num_warps=4,
         )
+    if cfg.gluon and precision == "tf32" and ops.name == "torch":
+        from fastdeploy_ext.ops.lightning_attn import gluon_kernels
+
+        gluon_kernels.prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, seg.shape[0],
+                                     block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps)
+        return out
+    q_in, k_in, v_in = (q, k, v) if not cfg.tma else ops.descriptors((q, k, v), (block_size, block_size, block_size),
+                                                                       (head_dim, head_dim, cfg.block_v))
     ops.launch(
         _segment_output_kernel,
         (n_v, num_heads, seg.shape[0]),
-        [q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, num_heads],
+        [q_in, k_in, v_in, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, num_heads],
         D=head_dim,
         BT=block_size,
         BV=cfg.block_v,
@@ -429,8 +453,12 @@ def lightning_attn_prefill(
         PRECISION=precision,
         RECOMPUTE_MASK=cfg.recompute_mask,
         FOLD_OFFSETS=cfg.fold_offsets,
+        USE_TMA=cfg.tma,
+        LOOP_STAGES=cfg.loop_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     return out
 
@@ -576,6 +604,15 @@ class _TorchOps:
 
     def is_capturing(self, t):
         return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()
+
+    def descriptors(self, tensors, rows, cols):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        out = []
+        for t, r, c in zip(tensors, rows, cols):
+            flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+            out.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [r, c]))
+        return out
 
     def launch(self, kernel, grid, args, **meta):
         if launcher.interpreter_enabled():

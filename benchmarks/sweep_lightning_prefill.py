@@ -11,40 +11,7 @@ C = tk.LaunchConfig
 def variants(bv, w, st):
     return [C(bv, w, st), C(bv, w, st, recompute_mask=True), C(bv, w, st, fold_offsets=True),
             C(bv, w, st, recompute_mask=True, fold_offsets=True)]
-def tma(bv, w, st, ws=False, fold=False):
-    return C(bv, w, 1, fold_offsets=fold, tma=True, loop_stages=st, warp_specialize=ws)
-if sys.argv[2] == "tma-f32":
-    CASES = [(64, torch.float32, [(64, c, None) for c in [C(32, 4, 1), tma(32, 4, 1), tma(32, 4, 2), tma(32, 4, 3),
-                                                          tma(32, 4, 2, ws=True), tma(64, 8, 2), tma(64, 8, 2, ws=True)]]
-              + [(32, tma(32, 4, 3), None), (32, tma(32, 4, 4), None)]),
-             (8, torch.float32, [(64, c, None) for c in [C(64, 4, 1), tma(64, 4, 1), tma(64, 4, 2), tma(64, 4, 3),
-                                                         tma(64, 4, 2, ws=True), tma(32, 4, 2)]])]
-elif sys.argv[2] == "tma-bf16":
-    CASES = [(64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), tma(32, 4, 2), tma(32, 4, 3), tma(32, 4, 4),
-                                                           tma(32, 4, 2, ws=True), tma(64, 4, 2), tma(64, 8, 3),
-                                                           tma(128, 8, 2)]]
-              + [(128, tma(64, 8, 2), None)]),
-             (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), tma(64, 4, 2), tma(64, 4, 3),
-                                                          tma(64, 4, 2, ws=True)]])]
-elif sys.argv[2] == "gluon":
-    G = lambda bv, w: C(bv, w, 1, gluon=True)  # noqa: E731
-    CASES = [(64, torch.float32, [(64, c, None) for c in [C(32, 4, 1), G(64, 4), G(64, 8)]]),
-             (8, torch.float32, [(64, c, None) for c in [C(64, 4, 1), G(64, 4), G(64, 8)]]
-              + [(64, G(64, 8), s) for s in (1024, 4096)]),
-             (64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(64, 4), G(64, 8)]]),
-             (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), G(64, 4), G(64, 8)]]
-              + [(64, G(64, 8), s) for s in (1024, 4096)])]
-elif sys.argv[2] == "v2-f32":  # run with DISABLE_MMA_V3=1: mma.sync instead of wgmma
-    CASES = [(64, torch.float32, [(64, c, None) for c in [C(32, 4, 1), C(64, 4, 1), C(64, 8, 1), C(128, 8, 1),
-                                                          tma(32, 4, 1), C(32, 4, 2), C(64, 8, 2)]]
-              + [(32, C(32, 4, 1), None), (32, C(64, 4, 2), None), (128, C(32, 8, 1), None)]),
-             (8, torch.float32, [(64, c, None) for c in [C(64, 4, 1), C(32, 4, 1), C(64, 8, 1), C(64, 4, 2)]]
-              + [(32, C(64, 4, 1), None)])]
-elif sys.argv[2] == "reg-f32":
-    CASES = [(64, torch.float32, [(64, C(32, 4, 1, maxnreg=r), None) for r in (128, 168)]
-              + [(64, C(32, 8, 1, maxnreg=r), None) for r in (128, None)] + [(64, C(64, 8, 1), None)]),
-             (8, torch.float32, [(64, C(64, 4, 1, maxnreg=r), None) for r in (128, 168)])]
-elif sys.argv[2] == "f32":
+if sys.argv[2] == "f32":
     CASES = [(64, torch.float32, [(64, c, None) for c in variants(32, 4, 1)]
               + [(64, C(64, 4, 1, True, True), None), (32, C(32, 4, 2, True, True), None), (64, C(32, 8, 1, True, True), None)]),
              (8, torch.float32, [(64, c, None) for c in variants(64, 4, 1)] + [(64, C(64, 4, 1, True, True), 1024)])]

@@ -177,6 +177,54 @@ def test_prefill_launch_variants(variant, precision):
     check_prefill(c, out, pool, IEEE_TOL if precision == "ieee" else TF32_TOL, per_block=True)
 
 
+GLUON = {"w8": LaunchConfig(64, 8, gluon=True), "w4": LaunchConfig(64, 4, gluon=True)}
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel is sm_90"
+)
+
+
+@needs_hopper
+@pytest.mark.parametrize("warps", list(GLUON))
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefill_gluon(name, warps):
+    # The Hopper kernel (default for many heads in TF32) on every case, with carried state and untouched slots.
+    c = case(name)
+    out, pool = run_prefill(c, launch_config=GLUON[warps])
+    check_prefill(c, out, pool, TF32_TOL, per_block=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("segment_len", [1024, 4096])
+def test_prefill_gluon_segmented(segment_len):
+    c = case("h8_n32768")
+    out, pool = run_prefill(c, launch_config=GLUON["w8"], segment_len=segment_len)
+    check_prefill(c, out, pool, TF32_TOL, per_block=True)
+
+
+@needs_hopper
+def test_prefill_gluon_bf16_inputs():
+    c = case("h64_varlen", torch.bfloat16)
+    out, pool = run_prefill(c, launch_config=GLUON["w8"])
+    check_prefill(c, out, pool, BF16_TOL, per_block=False)
+
+
+@needs_hopper
+def test_default_prefill_picks_gluon_for_many_heads():
+    c = case("h64_varlen")
+    out_default, pool_default = run_prefill(c)
+    out_gluon, pool_gluon = run_prefill(c, launch_config=GLUON["w8"])
+    assert torch.equal(out_default, out_gluon) and torch.equal(pool_default, pool_gluon)
+    out_b, _ = run_prefill(c, launch_config=GLUON["w8"])
+    assert torch.equal(out_gluon, out_b)  # repeated runs bit-identical (no race)
+
+
+@needs_hopper
+def test_prefill_gluon_rejects_ieee():
+    c = case("h64_varlen")
+    with pytest.raises(ValueError, match="launch_config.gluon needs .*precision='tf32'"):
+        run_prefill(c, precision="ieee", launch_config=GLUON["w8"])
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
 def test_prefill_and_decode_small_head_dims(head_dim):
     seed = 210 + head_dim

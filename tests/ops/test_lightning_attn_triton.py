@@ -238,3 +238,50 @@ def test_decode_rejects_bad_slots(monkeypatch, slots, match):
     args = [torch.from_numpy(case[n]) for n in ("q", "k", "v", "slopes", "pool", "slots")]
     with pytest.raises(ValueError, match=match):
         lightning_attn_decode(*args)
+
+
+def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import LaunchConfig, lightning_attn_prefill
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=r"launch_config.gluon needs torch CUDA tensors on a Hopper \(sm_90\) GPU"):
+        lightning_attn_prefill(**_torch_prefill_args(), launch_config=LaunchConfig(16, 8, gluon=True))
+
+
+@pytest.mark.parametrize(
+    "heads, dtype, gluon_ok, want_gluon",
+    [(64, "float32", True, True), (32, "float32", True, True), (8, "float32", True, False),
+     (64, "bfloat16", True, False), (64, "float32", False, False)],
+)
+def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dtype, gluon_ok, want_gluon):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import _default_prefill_config
+
+    cfg = _default_prefill_config(128, dtype, heads, 64, gluon_ok)
+    assert cfg.gluon is want_gluon
+    if want_gluon:
+        assert (cfg.block_v, cfg.num_warps) == (64, 8)
+
+
+@pytest.mark.parametrize("dtype, warps", [("float32", 8), ("float32", 4), ("bfloat16", 8)])
+def test_gluon_kernel_compiles_for_sm90_without_spilling_much(dtype, warps):
+    # A real ptxas compile for sm_90 (no GPU needed): catches layout/operand errors in the Hopper kernel on CPU CI.
+    torch = pytest.importorskip("torch")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from fastdeploy_ext.ops.lightning_attn import gluon_kernels as gk
+
+    q = torch.zeros(256, 64, 128, dtype=getattr(torch, dtype))
+    q_d, k_d = gk.descriptors(q, q, 64)
+    args = {"q_desc": q_d, "k_desc": k_d, "v_ptr": q, "o_ptr": q, "slopes_ptr": torch.zeros(64),
+            "pool_ptr": torch.zeros(4), "buf_ptr": torch.zeros(4), "seg_ptr": torch.zeros(5, dtype=torch.int32),
+            "slot_ids_ptr": torch.zeros(1, dtype=torch.int32), "num_slots": 4}
+    fn = gk._output_kernel
+    signature = {name: mangle_type(args[name]) if name in args else "constexpr" for name in fn.arg_names}
+    constexprs = {(fn.arg_names.index(k),): v for k, v in {"H": 64, "D": 128, "BT": 64, "BV": 64, "num_warps": warps}.items()}
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    assert kernel.metadata.shared <= 232448, "over the H200's 227 KiB of shared memory per block"
+    assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]

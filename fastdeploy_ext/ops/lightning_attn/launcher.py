@@ -127,6 +127,10 @@ class PaddleOps:
             return None
         return self.paddle.device.cuda.get_device_properties(t.place.gpu_device_id()).multi_processor_count
 
+    def is_hopper(self, t):
+        # The Gluon kernel builds its TMA descriptors from torch tensors; Paddle tensors keep the Triton kernel.
+        return False
+
     def is_capturing(self, t):
         # Paddle exposes no per-stream "is capturing" query; callers that capture CUDA graphs pass
         # check_slots=False (documented on lightning_attn_decode).

@@ -157,9 +157,6 @@ def _segment_output_kernel(
     PRECISION: tl.constexpr,
     RECOMPUTE_MASK: tl.constexpr = False,
     FOLD_OFFSETS: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
-    LOOP_STAGES: tl.constexpr = None,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -188,18 +185,10 @@ def _segment_output_kernel(
         intra_decay = tl.where(causal, tl.exp(neg_s * diff), 0.0)
     q_decay = tl.exp(neg_s * (rows + 1).to(tl.float32))
 
-    for t0 in tl.range(start, end, BT, num_stages=LOOP_STAGES, warp_specialize=WARP_SPECIALIZE):
+    for t0 in range(start, end, BT):
         m = tl.minimum(end - t0, BT)
         valid = rows < m
-        if USE_TMA:
-            # q/k/v are tensor descriptors over [T, H * D]: bulk copies into shared memory. Rows past the
-            # segment belong to the next sequence (or are zero-filled past T); the causal mask keeps them
-            # out of valid rows' outputs and k_decay = 0 keeps them out of the state.
-            q = q_ptr.load([t0, i_h * D])
-            k = k_ptr.load([t0, i_h * D])
-            v = v_ptr.load([t0, i_h * D + i_v * BV])
-            tok = (t0 + rows).to(tl.int64)
-        elif FOLD_OFFSETS:
+        if FOLD_OFFSETS:
             q = _load_tile(q_ptr, t0, rows, cols_d, i_h, H, D, valid)
             k = _load_tile(k_ptr, t0, rows, cols_d, i_h, H, D, valid)
             v = _load_tile(v_ptr, t0, rows, cols_v, i_h, H, D, valid)
@@ -291,21 +280,22 @@ class LaunchConfig:
     num_stages: int = 1
     recompute_mask: bool = False  # prefill: rebuild the BT x BT decay mask every chunk (fewer live registers)
     fold_offsets: bool = False  # prefill: scalar int64 chunk base + int32 tile offsets instead of int64 per element
-    tma: bool = False  # prefill: q/k/v chunks through tensor descriptors (bulk copies) instead of pointer loads
-    loop_stages: int | None = None  # prefill: pipelining depth of the chunk loop alone (None: num_stages)
-    warp_specialize: bool = False  # prefill: ask Triton to split the chunk loop into producer/consumer warps
-    maxnreg: int | None = None  # prefill: register cap per thread (more programs per SM, more spills)
-    gluon: bool = False  # prefill: the hand-scheduled Hopper kernel (gluon_kernels.py) for the output pass
+    gluon: bool = False  # prefill, TF32 on Hopper: the hand-scheduled output kernel of gluon_kernels.py
 
 
-def _default_prefill_config(head_dim, dtype_name, num_heads, block_size):
+def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False):
     """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
+
+    Many heads, float32 in TF32 mode on Hopper (``gluon_ok``): the Gluon kernel, BV = 64 with 8 warps (H = 64:
+    2.4 ms vs 3.3 ms); with few heads or bf16 inputs it measured no faster or slower, so Triton stays.
 
     Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting sequences
     (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
     Two pipeline stages pay off only for bf16 (fp32 tiles then exceed shared memory for occupancy);
     128-token chunks need one stage and 8 warps to fit shared memory at all.
     """
+    if gluon_ok and num_heads >= 32 and dtype_name == "float32":
+        return LaunchConfig(block_v=64, num_warps=8, gluon=True)
     block_v = min(head_dim, 32 if num_heads >= 32 else 64)
     if block_size >= 128:
         return LaunchConfig(block_v=block_v, num_warps=8, num_stages=1)
@@ -378,8 +368,16 @@ def lightning_attn_prefill(
         raise ValueError(f"block_size must be one of {_BLOCK_SIZES}, got {block_size!r}")
     _check_precision(precision)
     out = _check_or_make_out(ops, out, q, (total, num_heads, head_dim))
-    cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size)
+    gluon_ok = precision == "tf32" and ops.is_hopper(q) and _gluon().supports(head_dim, block_size, _dtype_name(q))
+    cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size, gluon_ok)
     _check_block_v(cfg, head_dim)
+    if cfg.gluon and not (gluon_ok and cfg.block_v == 64 and cfg.num_warps in (4, 8)):
+        raise ValueError(
+            "launch_config.gluon needs torch CUDA tensors on a Hopper (sm_90) GPU, precision='tf32', block_size=64, "
+            f"D=128, block_v=64 and 4 or 8 warps; got {ops.name} tensors on {ops.device_key(q)}, "
+            f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}, "
+            f"num_warps={cfg.num_warps}"
+        )
 
     cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
     if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:
@@ -434,18 +432,14 @@ def lightning_attn_prefill(
             BR=scan_rows,
             num_warps=4,
         )
-    if cfg.gluon and precision == "tf32" and ops.name == "torch":
-        from fastdeploy_ext.ops.lightning_attn import gluon_kernels
-
-        gluon_kernels.prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, seg.shape[0],
-                                     block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps)
+    if cfg.gluon:
+        _gluon().prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, seg.shape[0],
+                                block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps)
         return out
-    q_in, k_in, v_in = (q, k, v) if not cfg.tma else ops.descriptors((q, k, v), (block_size, block_size, block_size),
-                                                                       (head_dim, head_dim, cfg.block_v))
     ops.launch(
         _segment_output_kernel,
         (n_v, num_heads, seg.shape[0]),
-        [q_in, k_in, v_in, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, num_heads],
+        [q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, num_heads],
         D=head_dim,
         BT=block_size,
         BV=cfg.block_v,
@@ -453,12 +447,8 @@ def lightning_attn_prefill(
         PRECISION=precision,
         RECOMPUTE_MASK=cfg.recompute_mask,
         FOLD_OFFSETS=cfg.fold_offsets,
-        USE_TMA=cfg.tma,
-        LOOP_STAGES=cfg.loop_stages,
-        WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     return out
 
@@ -560,6 +550,13 @@ def _segment_len(ops, like, cu, block_size, programs_per_segment):
     return max(16 * block_size, int(-(-tokens_per_program // block_size) * block_size))
 
 
+def _gluon():
+    # Imported on first use: Gluon is Triton's explicit-layout dialect, needed only for the Hopper path.
+    from fastdeploy_ext.ops.lightning_attn import gluon_kernels
+
+    return gluon_kernels
+
+
 def _ops_for(q):
     if launcher.is_paddle_tensor(q):
         return launcher.PaddleOps()
@@ -602,17 +599,11 @@ class _TorchOps:
             return None
         return self.torch.cuda.get_device_properties(t.device).multi_processor_count
 
+    def is_hopper(self, t):
+        return self.is_cuda(t) and not launcher.interpreter_enabled() and self.torch.cuda.get_device_capability(t.device) == (9, 0)
+
     def is_capturing(self, t):
         return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()
-
-    def descriptors(self, tensors, rows, cols):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        out = []
-        for t, r, c in zip(tensors, rows, cols):
-            flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
-            out.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [r, c]))
-        return out
 
     def launch(self, kernel, grid, args, **meta):
         if launcher.interpreter_enabled():

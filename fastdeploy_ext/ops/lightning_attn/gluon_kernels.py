@@ -1,0 +1,219 @@
+"""Hopper (sm_90) prefill output pass for lightning attention, written in Gluon (Triton's explicit-layout dialect).
+
+Same job and segment table as ``triton_kernels._segment_output_kernel``: one program per (64-wide value tile,
+head, segment) walks its segment in 64-token chunks carrying the state. Triton's own schedule for that loop
+kept every float32 configuration at the 255-register cap with spills; here the schedule is explicit:
+
+- q and k chunks arrive by TMA in a two-stage shared-memory ring (chunk ``c + 1`` in flight while ``c`` is
+  computed); v is prefetched one chunk ahead into registers, which it needs anyway to be transposed.
+- All four products run on ``wgmma`` (TF32 for float32 inputs). TF32 ``wgmma`` takes shared operands only
+  K-major, so the operands that contract over tokens are copied token-contiguous once per chunk: ``V^T`` and
+  ``(diag(kd) K)^T``, from registers holding four consecutive tokens per thread (16-byte stores; a row-per-thread
+  layout made these copies cost two thirds of the kernel).
+- The state is carried transposed, ``S^T [BV, D]`` in ``wgmma`` accumulator registers, so it is stored
+  row-major as the K-major operand of ``Q S`` and updated as ``S^T <- lam^m S^T + V^T (diag(kd) K)`` with both
+  operands in shared memory.
+- ``Q K^T``, ``Q S`` and the state update are issued together; ``P V`` follows once the scores are masked.
+
+H200, N = 32768, D = 128, float32 in/out (docs/benchmarks.md): 2.4 ms at H = 64 against 3.3 ms for the Triton
+kernel; no gain at H = 8 or for bf16 inputs, where the Triton kernel stays the default. IEEE mode always uses
+the Triton kernel. bf16 inputs here round the carried state to bf16 for ``Q S`` (2.7e-3 vs 2.4e-3 rel err).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["descriptors", "prefill_output", "supports"]
+
+_STAGES = gl.constexpr(2)
+
+
+def supports(head_dim, block_size, dtype_name):
+    """Shapes measured on the H200 (D = 128, 64-token chunks); the value tile is 64 wide (BV = M of S^T's product)."""
+    return head_dim == 128 and block_size == 64 and dtype_name in ("float32", "bfloat16")
+
+
+@gluon.constexpr_function
+def _mma_layout(m, n, num_warps, k):
+    warps = [4, 1]
+    while warps[0] * warps[1] != num_warps:
+        if m > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    max_n = max(n // warps[1], 8)
+    inst_n = 256
+    while inst_n > max_n or n % inst_n != 0:
+        inst_n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, inst_n, k])
+
+
+def _nvmma_shared(shape, bitwidth):
+    return gl.NVMMASharedLayout.get_default_for(list(shape), gl.float32 if bitwidth == 32 else gl.bfloat16)
+
+
+_shared = gluon.constexpr_function(_nvmma_shared)
+
+
+@gluon.jit
+def _output_kernel(
+    q_desc,
+    k_desc,
+    v_ptr,
+    o_ptr,
+    slopes_ptr,
+    pool_ptr,
+    buf_ptr,
+    seg_ptr,  # [n_segs, 5] int32: start, end, sequence, flags, buffer
+    slot_ids_ptr,
+    num_slots,
+    H: gl.constexpr,
+    D: gl.constexpr,
+    BT: gl.constexpr,
+    BV: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    bits: gl.constexpr = dtype.primitive_bitwidth
+    K_STEP: gl.constexpr = 256 // bits
+    L_S: gl.constexpr = _mma_layout(BT, BT, num_warps, K_STEP)  # scores [BT, BT]
+    L_O: gl.constexpr = _mma_layout(BT, BV, num_warps, K_STEP)  # output [BT, BV]
+    L_ST: gl.constexpr = _mma_layout(BV, D, num_warps, K_STEP)  # transposed state S^T [BV, D]
+    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=32 // bits)
+    # Four consecutive tokens per thread: the token-contiguous copies below become 16-byte stores.
+    TOK: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [num_warps, 1], [0, 1])
+
+    i_v = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_s = gl.program_id(2)
+    start = gl.load(seg_ptr + i_s * 5)
+    end = gl.load(seg_ptr + i_s * 5 + 1)
+    slot = gl.load(slot_ids_ptr + gl.load(seg_ptr + i_s * 5 + 2)).to(gl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    flags = gl.load(seg_ptr + i_s * 5 + 3)
+    buf = gl.load(seg_ptr + i_s * 5 + 4).to(gl.int64)
+    neg_s = -gl.load(slopes_ptr + i_h)
+
+    # The state is carried transposed, S^T [BV, D], so that it is stored row-major as Q S's K-major operand
+    # and updated by S^T += V^T (diag(kd) K) with both operands in shared memory. int64 appears only in
+    # scalar bases; tile offsets are int32 and fold into immediates.
+    st_v = gl.arange(0, BV, layout=gl.SliceLayout(1, L_ST))
+    st_k = gl.arange(0, D, layout=gl.SliceLayout(0, L_ST))
+    st_offs = st_k[None, :] * D + st_v[:, None]
+    if (flags & 2) != 0:
+        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+        state = gl.load(base + st_offs, mask=slot_ok & (st_v >= 0)[:, None], other=0.0)
+    else:
+        state = gl.load(buf_ptr + (buf * H + i_h) * D * D + i_v * BV + st_offs)
+
+    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, BT, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [_STAGES, BT, D], k_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    # K-major operands for the products that contract over tokens: V^T and (diag(kd) K)^T, token-contiguous.
+    vt_smem = gl.allocate_shared_memory(dtype, [BV, BT], _shared([BV, BT], bits))
+    kt_smem = gl.allocate_shared_memory(dtype, [D, BT], _shared([D, BT], bits))
+    st_smem = gl.allocate_shared_memory(dtype, [BV, D], _shared([BV, D], bits))
+
+    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
+    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
+    causal = s_rows[:, None] >= s_cols[None, :]
+    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
+    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
+    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, TOK))
+    v_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, TOK))
+    v_tile = t_rows[:, None] * (H * D) + v_cols[None, :]
+    col0 = i_h * D + i_v * BV
+
+    n_chunks = gl.cdiv(end - start, BT)
+    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+    mbarrier.expect(bars.index(0), nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start, i_h * D], bars.index(0), q_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [start, i_h * D], bars.index(0), k_smem.index(0))
+    # V goes through registers anyway (to be transposed), so it is prefetched there one chunk ahead.
+    v_next = gl.load(v_ptr + (start.to(gl.int64) * (H * D) + col0) + v_tile, mask=(t_rows < end - start)[:, None],
+                     other=0.0)
+    for c in range(n_chunks):
+        stage = c % _STAGES
+        t0 = start + c * BT
+        m = gl.minimum(end - t0, BT)
+        nxt = (c + 1) % _STAGES
+        more = c + 1 < n_chunks
+        mbarrier.expect(bars.index(nxt), nbytes, pred=more)
+        tma.async_copy_global_to_shared(q_desc, [t0 + BT, i_h * D], bars.index(nxt), q_smem.index(nxt), pred=more)
+        tma.async_copy_global_to_shared(k_desc, [t0 + BT, i_h * D], bars.index(nxt), k_smem.index(nxt), pred=more)
+        v = v_next
+        v_next = gl.load(v_ptr + ((t0 + BT).to(gl.int64) * (H * D) + col0) + v_tile,
+                         mask=(t_rows < end - t0 - BT)[:, None], other=0.0)
+        mbarrier.wait(bars.index(stage), phase=(c // _STAGES) & 1)
+        qs = q_smem.index(stage)
+        ks = k_smem.index(stage)
+
+        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): the causal mask keeps
+        # them out of valid outputs and kd = 0 keeps them out of the state.
+        kd = gl.where(t_rows < m, gl.exp(neg_s * (m - 1 - t_rows).to(gl.float32)), 0.0)
+        kt_smem.permute((1, 0)).store((ks.load(TOK).to(gl.float32) * kd[:, None]).to(dtype))
+        vt_smem.permute((1, 0)).store(v)
+        st_smem.store(state.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        scores = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S), use_acc=False,
+                               is_async=True)
+        inter = warpgroup_mma(qs, st_smem.permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O), use_acc=False,
+                              is_async=True)
+        state = warpgroup_mma(vt_smem, kt_smem.permute((1, 0)), state * gl.exp(neg_s * m.to(gl.float32)),
+                              is_async=True)
+        # The decay mask is rebuilt per chunk (m keeps it in the loop) so it holds no registers across it.
+        neg_s_m = neg_s + 0.0 * m.to(gl.float32)
+        intra = gl.where(causal, gl.exp(neg_s_m * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
+        scores, inter = warpgroup_mma_wait(num_outstanding=1, deps=(scores, inter))
+        p = gl.convert_layout((scores * intra).to(dtype), A_O)
+        o = warpgroup_mma(p, vt_smem.permute((1, 0)), inter * q_decay[:, None], is_async=True)
+        o, state = warpgroup_mma_wait(num_outstanding=0, deps=(o, state))
+
+        o_base = o_ptr + (t0.to(gl.int64) * (H * D) + col0)
+        gl.store(o_base + (o_rows[:, None] * (H * D) + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
+                 mask=(o_rows < m)[:, None])
+        # Every warp is done with this stage and the copies before they are overwritten.
+        gl.thread_barrier()
+
+    for i in gl.static_range(_STAGES):
+        mbarrier.invalidate(bars.index(i))
+    if (flags & 1) != 0:
+        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+        gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
+
+
+def descriptors(q, k, block_size):
+    """TMA descriptors over ``[T, H * D]`` views of q and k (torch tensors)."""
+    bits = 32 if q.dtype.itemsize == 4 else 16
+    head_dim = q.shape[2]
+    out = []
+    for t, cols in ((q, head_dim), (k, head_dim)):
+        flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+        layout = _nvmma_shared([block_size, cols], bits)
+        out.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [block_size, cols], layout))
+    return out
+
+
+def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, n_segs, *, block_size, block_v,
+                   num_warps=4):
+    q_d, k_d = descriptors(q, k, block_size)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _output_kernel[(head_dim // block_v, num_heads, n_segs)](
+        q_d, k_d, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
+        H=num_heads, D=head_dim, BT=block_size, BV=block_v, num_warps=num_warps,
+    )
+    return out
+

@@ -80,7 +80,12 @@ class PrefillSeq:
     q_len: int
     ctx_start: int  # tokens already in the cache before this chunk
     blocks: np.ndarray  # page ids holding the whole context [0, ctx_start + q_len)
-    mask: paddle.Tensor | None  # [q_len, ctx_start + q_len] additive causal mask; None when q_len == 1
+
+    @cached_property
+    def mask(self) -> paddle.Tensor:
+        """``[q_len, ctx_start + q_len]`` additive causal mask (the non-host path)."""
+        allowed = np.arange(self.ctx_start + self.q_len)[None, :] <= (self.ctx_start + np.arange(self.q_len))[:, None]
+        return paddle.to_tensor(np.where(allowed, 0.0, _NEG).astype(np.float32))
 
 
 @dataclass
@@ -192,11 +197,7 @@ def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables,
             dec_pages.append(pages)
             dec_lens.append(total)
         else:
-            mask = None
-            if n > 1:
-                allowed = np.arange(total)[None, :] <= (ctx + np.arange(n))[:, None]
-                mask = paddle.to_tensor(np.where(allowed, 0.0, _NEG).astype(np.float32))
-            prefills.append(PrefillSeq(q_start, n, ctx, pages, mask))
+            prefills.append(PrefillSeq(q_start, n, ctx, pages))
         q_start += n
     slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros([0], np.int64)
     first_rows = np.array([p[0] * block_size if np.all(np.diff(p) == 1) else -1 for p in dec_pages], np.int64)
@@ -294,23 +295,43 @@ class Attention(nn.Layer):
         """q ``[n, Hq, D]`` of one sequence's chunk, keys/values ``[Hkv, L, D]`` of its whole context →
         ``[n, Hq, D]``, causal; query tiles ``[a, b)`` see keys ``[0, ctx + b)`` only."""
         keys, vals = keys.astype("float32"), vals.astype("float32")
+        host = keys.place.is_cpu_place()
         outs = []
         for a in range(0, p.q_len, _PREFILL_TILE):
             b = min(a + _PREFILL_TILE, p.q_len)
             visible = p.ctx_start + b
             tile_keys = keys if visible == keys.shape[1] else keys[:, :visible]
             tile_vals = vals if visible == vals.shape[1] else vals[:, :visible]
-            mask = None if p.mask is None else p.mask[a:b, :visible]
+            mask = None if host else p.mask[a:b, :visible]
             outs.append(self._attend(q[a:b], tile_keys, tile_vals, mask))
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
     def _attend(self, q, keys, vals, mask):
-        """q ``[n, Hq, D]`` vs keys/values ``[Hkv, L, D]`` with an additive ``[n, L]`` mask → ``[n, Hq, D]``."""
+        """q ``[n, Hq, D]`` vs keys/values ``[Hkv, L, D]`` → ``[n, Hq, D]``; query ``i`` sees keys
+        ``[0, L - n + i]``. ``mask`` is that as an additive ``[n, L]`` tensor, or None on CPU, where the
+        mask and softmax run in NumPy on the scores' memory instead."""
         n, hkv, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         # Head-major rows [Hkv, g*n]: the mask then broadcasts over leading dims only (Paddle's fast path).
         qh = permute(q.reshape([n, hkv, g, d]), [1, 2, 0, 3]).reshape([hkv, g * n, d])
         scores = paddle.matmul(qh, keys, transpose_y=True)  # [Hkv, g*n, L]
-        if mask is not None:
-            scores = (scores.reshape([hkv, g, n, -1]) + mask).reshape([hkv, g * n, -1])
-        out = paddle.matmul(nn.functional.softmax(scores, axis=-1), vals).reshape([hkv, g, n, d])
+        if mask is None:
+            causal_softmax_(_host(scores).reshape(hkv * g, n, -1))
+            probs = scores
+        else:
+            probs = nn.functional.softmax((scores.reshape([hkv, g, n, -1]) + mask).reshape([hkv, g * n, -1]), axis=-1)
+        out = paddle.matmul(probs, vals).reshape([hkv, g, n, d])
         return permute(out, [2, 0, 1, 3]).reshape([n, hkv * g, d])
+
+
+def causal_softmax_(scores: np.ndarray) -> None:
+    """In place: softmax over the last axis of ``scores`` ``[..., n, L]`` with query ``i`` seeing keys
+    ``[0, L - n + i]``. Only the last ``n`` columns hold masked entries, so only they are masked (a
+    full-width mask add cost as much as the softmax), and NumPy's in-place passes beat Paddle's CPU
+    mask add + softmax by ~1.5x on these shapes."""
+    n, width = scores.shape[-2:]
+    diag = scores[..., width - n:]
+    diag += np.triu(np.full((n, n), _NEG, np.float32), 1)
+    rows = scores.reshape(-1, width)
+    rows -= rows.max(axis=-1, keepdims=True)
+    np.exp(rows, out=rows)
+    rows /= rows.sum(axis=-1, keepdims=True)

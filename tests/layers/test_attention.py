@@ -131,3 +131,32 @@ def test_block_manager_fragmented_pool():
     # Growth into a taken page falls back to another gap.
     nxt = bm.allocate(1, after=held[1][0] - 1)
     assert nxt != held[1] and len(nxt) == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("ctx,n", [(0, 1), (0, 17), (0, 257), (40, 1), (255, 130), (16, 300)])
+def test_host_prefill_softmax_matches_masked_path_and_float64(seed, ctx, n):
+    """A chunk of ``n`` queries after ``ctx`` cached tokens (tiles of 128 rows): NumPy causal softmax
+    on the scores' memory vs Paddle's mask add + softmax, and a float64 formula."""
+    from fastdeploy_ext.layers.attention import PrefillSeq
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal([n, HEADS, DIM]).astype(np.float32)
+    keys = rng.standard_normal([KV_HEADS, ctx + n, DIM]).astype(np.float32)
+    vals = rng.standard_normal([KV_HEADS, ctx + n, DIM]).astype(np.float32)
+    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
+    p = PrefillSeq(0, n, ctx, np.zeros(0, np.int64))
+    qs, kt, vt = paddle.to_tensor(q) * attn.scale, paddle.to_tensor(keys), paddle.to_tensor(vals)
+    host = attn._prefill(qs, kt, vt, p).numpy()
+    masked = paddle.concat([attn._attend(qs[a:a + 128], kt[:, :ctx + min(a + 128, n)], vt[:, :ctx + min(a + 128, n)],
+                                         p.mask[a:a + 128, :ctx + min(a + 128, n)])
+                            for a in range(0, n, 128)]).numpy()
+    ref = np.zeros(q.shape)
+    g = HEADS // KV_HEADS
+    for i in range(n):
+        for h in range(HEADS):
+            s = keys[h // g, : ctx + i + 1].astype(np.float64) @ q[i, h] / np.sqrt(DIM)
+            w = np.exp(s - s.max())
+            ref[i, h] = (w / w.sum()) @ vals[h // g, : ctx + i + 1]
+    assert _rel_err(host, ref) < REL_TOL
+    assert _rel_err(masked, ref) < REL_TOL

@@ -112,32 +112,45 @@ class FusedMoE(nn.Layer):
         t, k, num_experts = x.shape[0], self.top_k, self.num_experts
         # The routing is tiny ([T, E]): it runs on the host, and so does the dispatch bookkeeping.
         top_i, top_w = route(gate(x.astype("float32")).astype("float32").numpy(), k, self.renormalize)
-        # Dispatch: pair p = (token p // k, expert top_i.flat[p]) takes row dest[p] of a zero-padded
-        # [E, cap, hidden] batch (cap = the busiest expert's pair count), so each projection is one batched
-        # matmul over the stacked weights instead of a small matmul per expert.
         flat = top_i.reshape(-1)
         counts = np.bincount(flat, minlength=num_experts)
         cap = int(counts.max())
+        # Pair p = (token p // k, expert flat[p]) takes row dest[p] of its expert's segment. A small batch
+        # that reaches every expert is bound by reading the expert weights: it pads every segment to the
+        # busiest expert's count and runs each projection as one batched matmul over the stacked weights.
+        # Otherwise segments are exact and each expert with rows gets its own matmul: a large batch is
+        # compute-bound (padding would be wasted work), and a batch that skips experts must not read them.
+        batched = (self.quant_method is None and bool(np.all(counts))
+                   and cap * num_experts <= t * k + _MAX_PAD_ROWS)
+        starts = np.arange(num_experts) * cap if batched else np.cumsum(counts) - counts
         order = np.argsort(flat, kind="stable")
         dest = np.empty_like(order)
-        dest[order] = flat[order] * cap + np.arange(t * k) - np.repeat(np.cumsum(counts) - counts, counts)
-        rows = _gather_rows(x, np.arange(t * k) // k, dest, num_experts * cap)
-        act = nn.functional.swiglu(self._project("up_gate_proj_weight", rows.reshape([num_experts, cap, -1]), counts))
-        y = self._project("down_proj_weight", act, counts).reshape([num_experts * cap, self.hidden_size])
-        out = _combine(y.astype("float32"), dest.reshape(t, k), top_w).astype(x.dtype)
+        dest[order] = np.repeat(starts, counts) + np.arange(t * k) - np.repeat(np.cumsum(counts) - counts, counts)
+        num_rows = num_experts * cap if batched else t * k
+        rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
+        row_weights = np.zeros(num_rows, np.float32)
+        row_weights[dest] = top_w.reshape(-1)
+        segments = None if batched else (starts, counts)
+        act = _swiglu_scaled(self._project("up_gate_proj_weight", rows, segments), row_weights)
+        y = self._project("down_proj_weight", act, segments)
+        out = _sum_rows(y.astype("float32"), dest.reshape(t, k)).astype(x.dtype)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.fd_config)
         return out
 
-    def _project(self, name: str, rows: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
-        """``rows`` ``[E, cap, in]`` times each expert's weight → ``[E, cap, out]``. Quantized experts are
-        dequantized one at a time, and only those that got tokens (their padded rows stay zero)."""
-        if self.quant_method is None:
-            return paddle.bmm(rows, getattr(self, name))
-        out = [paddle.matmul(rows[e], self._expert_weight(name, e)) if counts[e] else None
-               for e in range(self.num_experts)]
-        zero = paddle.zeros_like(next(o for o in out if o is not None))
-        return paddle.stack([zero if o is None else o for o in out])
+    def _project(self, name: str, rows: paddle.Tensor, segments) -> paddle.Tensor:
+        """Every expert's rows times its weight. ``segments`` None: ``rows`` are ``E`` equal padded segments
+        (one batched matmul); else ``(starts, counts)`` of exact segments, one matmul per expert that has
+        rows (quantized experts are dequantized one at a time)."""
+        if segments is None:
+            weight = getattr(self, name)
+            return paddle.bmm(rows.reshape([self.num_experts, -1, rows.shape[1]]), weight).reshape([rows.shape[0], -1])
+        return paddle.concat([paddle.matmul(rows[s:s + n], self._expert_weight(name, e))
+                              for e, (s, n) in enumerate(zip(*segments)) if n], axis=0)
+
+
+# Padding rows a batched expert matmul may add (see FusedMoE.forward).
+_MAX_PAD_ROWS = 256
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -158,24 +171,41 @@ def _host(t: paddle.Tensor) -> np.ndarray | None:
 
 
 def _gather_rows(x: paddle.Tensor, src: np.ndarray, dest: np.ndarray, num_rows: int) -> paddle.Tensor:
-    """``out[dest] = x[src]`` into a zeroed ``[num_rows, hidden]``. On CPU in NumPy (Paddle's CPU gather and
-    scatter are several times slower than a memcpy)."""
+    """``[num_rows, hidden]`` with row ``dest[i]`` = ``x[src[i]]``; any other (padding) row is a copy of
+    ``x[0]``: its routing weight is 0 and nothing reads its output. On CPU in NumPy (Paddle's CPU gather is
+    several times slower than a memcpy)."""
+    index = np.zeros(num_rows, np.int64)
+    index[dest] = src
     host = _host(x.contiguous())
     if host is not None:
-        out = np.zeros((num_rows, host.shape[1]), host.dtype)
-        out[dest] = host[src]
-        return dlpack.from_dlpack(out)
-    rows = paddle.gather(x, paddle.to_tensor(src))
-    return paddle.scatter(paddle.zeros([num_rows, x.shape[1]], x.dtype), paddle.to_tensor(dest), rows)
+        return dlpack.from_dlpack(np.take(host, index, axis=0))
+    return paddle.gather(x, paddle.to_tensor(index))
 
 
-def _combine(y: paddle.Tensor, dest: np.ndarray, weights: np.ndarray) -> paddle.Tensor:
-    """``out[t] = sum_j weights[t, j] * y[dest[t, j]]`` → ``[T, hidden]`` fp32."""
+def _swiglu_scaled(h: paddle.Tensor, scale: np.ndarray) -> paddle.Tensor:
+    """``silu(h[:, :I]) * h[:, I:] * scale[:, None]`` (gate columns first): each pair's routing weight is
+    applied to its activation, so combining pairs is a plain sum. NumPy on CPU, where Paddle's swiglu runs
+    at half the speed."""
+    host = _host(h)
+    if host is None:
+        return nn.functional.swiglu(h) * paddle.to_tensor(scale).unsqueeze(1)
+    inter = host.shape[1] // 2
+    gate_half, up = host[:, :inter], host[:, inter:]
+    out = np.negative(gate_half)
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(gate_half, out, out=out)
+    out *= up
+    out *= scale[:, None]
+    return dlpack.from_dlpack(out)
+
+
+def _sum_rows(y: paddle.Tensor, dest: np.ndarray) -> paddle.Tensor:
+    """``out[t] = sum_j y[dest[t, j]]`` → ``[T, hidden]``."""
     host = _host(y)
-    if host is not None:
-        out = host[dest[:, 0]] * weights[:, :1]
-        for j in range(1, dest.shape[1]):
-            out += host[dest[:, j]] * weights[:, j:j + 1]
-        return dlpack.from_dlpack(out)
-    picked = paddle.gather(y, paddle.to_tensor(dest.reshape(-1))).reshape([dest.shape[0], dest.shape[1], -1])
-    return paddle.sum(picked * paddle.to_tensor(weights).unsqueeze(-1), axis=1)
+    if host is None:
+        return paddle.gather(y, paddle.to_tensor(dest.reshape(-1))).reshape([dest.shape[0], dest.shape[1], -1]).sum(1)
+    out = host[dest[:, 0]]
+    for j in range(1, dest.shape[1]):
+        out += host[dest[:, j]]
+    return dlpack.from_dlpack(out)

@@ -62,24 +62,26 @@ class RotaryEmbedding(nn.Layer):
         return paddle.concat([out, x[..., r:]], axis=-1)
 
     def _rotate_host(self, positions: paddle.Tensor, x: paddle.Tensor) -> paddle.Tensor:
-        """The same arithmetic in NumPy on the tensor's memory (DLPack, zero-copy): Paddle's CPU
-        elementwise kernels make this 5x slower, and a prefill step rotates every q/k head."""
-        if self._host_tables is None:
-            self._host_tables = (self.cos_cache.numpy(), self.sin_cache.numpy())
-        cos_t, sin_t = self._host_tables
+        """The same arithmetic in NumPy on the tensor's memory (DLPack, zero-copy, strided views such as
+        q/k columns of a fused qkv included): Paddle's CPU elementwise kernels make this 5x slower, and
+        a prefill step rotates every q/k head. Each channel pairs with its partner through two half-width
+        products instead of a concatenated partner tensor (half the memory passes)."""
         r = self.rotary_dim
-        xn = np.from_dlpack(x if x.is_contiguous() else x.contiguous())
+        # (first, second) channel of every pair; sin is +sin at `second` (the sign is folded into the table).
+        first, second = (slice(0, r // 2), slice(r // 2, r)) if self.style == "neox" else (slice(0, r, 2), slice(1, r, 2))
+        if self._host_tables is None:
+            self._host_tables = (self.cos_cache.numpy(), np.ascontiguousarray(self.sin_cache.numpy()[:, second]))
+        cos_t, sin_t = self._host_tables
+        xn = np.from_dlpack(x)
         pos = positions.numpy()
         cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]
-        rot = xn[..., :r]
-        if self.style == "neox":
-            partner = np.concatenate([rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
-        else:
-            partner = np.stack([rot[..., 1::2], rot[..., 0::2]], axis=-1).reshape(rot.shape)
-        out = rot * cos
-        out += partner * sin
+        out = np.empty(xn.shape, xn.dtype)
+        rot, out_rot = xn[..., :r], out[..., :r]
+        np.multiply(rot, cos, out=out_rot)
+        out_rot[..., first] -= rot[..., second] * sin
+        out_rot[..., second] += rot[..., first] * sin
         if r < self.head_dim:
-            out = np.concatenate([out, xn[..., r:]], axis=-1)
+            out[..., r:] = xn[..., r:]
         return dlpack.from_dlpack(out)
 
     def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):

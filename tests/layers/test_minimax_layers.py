@@ -189,3 +189,59 @@ def test_decoder_layer_residual_formula(tmp_path, postnorm):
     assert rel_err(got, want.numpy().astype(np.float64)) <= 1e-6
     other = 3.5566 * (x if postnorm else a) + attn  # the other form really is a different function
     assert rel_err(other.numpy(), h.numpy().astype(np.float64)) > 0.1
+
+
+def _moe_case(seed, tokens, experts=5, top_k=2, hidden=32, inter=24, dead_expert=None):
+    """A loaded FusedMoE, its router, inputs and the float64 per-token result; ``dead_expert`` gets no tokens."""
+    moe = FusedMoE(None, hidden, inter, experts, top_k, prefix="moe")
+    rng = np.random.default_rng(seed)
+    w1, w3 = rng.standard_normal((2, experts, inter, hidden)) / np.sqrt(hidden)
+    w2 = rng.standard_normal((experts, hidden, inter)) / np.sqrt(inter)
+    for e in range(experts):
+        moe.weight_loader(moe.up_gate_proj_weight, w1[e], "gate", e)
+        moe.weight_loader(moe.up_gate_proj_weight, w3[e], "up", e)
+        moe.weight_loader(moe.down_proj_weight, w2[e], "down", e)
+    x = rng.standard_normal((tokens, hidden))
+    router = rng.standard_normal((experts, hidden)) * 0.5
+    logits = x @ router.T
+    if dead_expert is not None:
+        logits[:, dead_expert] -= 100.0
+    # The router is linear in x: append a constant-one feature to carry the dead expert's offset.
+    router_x = np.concatenate([router, (logits - x @ router.T).mean(0)[:, None]], axis=1)
+    xin = np.concatenate([x, np.ones((tokens, 1))], axis=1)
+    want = np.zeros_like(x)
+    for t in range(tokens):
+        p = np.exp(logits[t] - logits[t].max())
+        p /= p.sum()
+        top = np.argsort(-p)[:top_k]
+        for e in top:
+            want[t] += p[e] / p[top].sum() * (w2[e] @ (_silu(w1[e] @ x[t]) * (w3[e] @ x[t])))
+    gate_w = paddle.to_tensor(router_x.T.astype(np.float32))
+
+    def gate(h):
+        ones = paddle.ones([h.shape[0], 1], dtype="float32")
+        return paddle.matmul(paddle.concat([h, ones], axis=1), gate_w)
+
+    return moe, gate, paddle.to_tensor(x.astype(np.float32)), want
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+@pytest.mark.parametrize(
+    "tokens, max_pad, dead, batched",
+    [(1, 256, None, False), (17, 256, None, True), (17, 256, 3, False), (255, 256, None, True),
+     (257, -1, None, False), (40, 10**6, 0, False)],
+    ids=["one-token", "small-batched", "zero-token-expert", "255-batched", "257-exact", "dead-expert-exact"],
+)
+def test_moe_batched_and_exact_paths_match_per_token_loop(monkeypatch, seed, tokens, max_pad, dead, batched):
+    """Both dispatch layouts (padded segments + one batched matmul, exact segments + a matmul per expert that
+    has rows) equal the float64 per-token loop; an expert without tokens forces the exact path."""
+    from fastdeploy_ext.layers import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_MAX_PAD_ROWS", max_pad)
+    calls = []
+    bmm = paddle.bmm
+    monkeypatch.setattr(paddle, "bmm", lambda *a, **kw: calls.append(1) or bmm(*a, **kw))
+    moe, gate, x, want = _moe_case(seed, tokens, dead_expert=dead)
+    got = moe(x, gate).numpy()
+    assert rel_err(got, want) <= REL_TOL
+    assert bool(calls) == batched

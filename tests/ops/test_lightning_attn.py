@@ -223,3 +223,91 @@ def test_decode_rejects_bad_slots(slots, match):
     q, k, v, pool = make_inputs(seed, 3, 2, 16, 4)
     with pytest.raises(ValueError, match=match):
         lightning_attn_decode(pd(q), pd(k), pd(v), pd(minimax_slopes(2, 0)), pd(pool), pd(slots, np.int32))
+
+
+# The NumPy reference takes different routes through the block form: one range of whole blocks read in place
+# (direct), ragged or non-adjacent segments gathered into zero-padded blocks, single-block segments from a
+# zero state (no scan), several groups carrying the state through the pool, decode on runs of slots.
+
+
+@pytest.mark.parametrize("seed", [101, 202, 303])
+@pytest.mark.parametrize("lengths", [[1], [17], [255], [257], [64, 64, 64], [17, 1, 255, 257, 64], [0, 17, 0]],
+                         ids=["1", "17", "255", "257", "full-blocks", "ragged", "empty-ends"])
+def test_prefill_block_layouts_match_recurrence(lengths, seed):
+    num_slots = len(lengths) + 2
+    q, k, v, pool = make_inputs(seed, sum(lengths), 4, 16, num_slots)
+    pool[0] = 0.0  # a new request (zero state) beside carried states
+    slots = np.random.default_rng(seed).permutation(num_slots)[: len(lengths)]
+    slopes = minimax_slopes(4, layer=5)
+    out, new_pool, cu = run_prefill(q, k, v, slopes, lengths, pool, slots, 64)
+    for b, slot in enumerate(slots):
+        sl = slice(cu[b], cu[b + 1])
+        if not lengths[b]:
+            assert np.array_equal(new_pool[slot], pool[slot])
+            continue
+        ref_out, ref_state = recurrence(q[sl], k[sl], v[sl], slopes, pool[slot])
+        assert rel_err(out[sl], ref_out) <= TOL, b
+        assert rel_err(new_pool[slot], ref_state) <= TOL, b
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert np.array_equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_prefill_single_blocks_from_zero_state(seed):
+    """New requests of at most one block each skip the scan: the final state is the block's own sum."""
+    lengths = [64, 64, 30, 64]
+    q, k, v, pool = make_inputs(seed, sum(lengths), 4, 16, 6)
+    pool[:] = 0.0
+    slots = [5, 0, 3, 1]
+    slopes = minimax_slopes(4, layer=0)
+    out, new_pool, cu = run_prefill(q, k, v, slopes, lengths, pool, slots, 64)
+    for b, slot in enumerate(slots):
+        sl = slice(cu[b], cu[b + 1])
+        ref_out, ref_state = recurrence(q[sl], k[sl], v[sl], slopes, pool[slot])
+        assert rel_err(out[sl], ref_out) <= TOL
+        assert rel_err(new_pool[slot], ref_state) <= TOL
+    assert np.array_equal(new_pool[[2, 4]], pool[[2, 4]])
+
+
+def test_prefill_groups_carry_state_and_match_one_group(monkeypatch):
+    """A batch larger than one group runs as rounds of pieces; the result equals a single group's bit for
+    bit (pieces end on block boundaries) and the recurrence."""
+    from fastdeploy_ext.ops.lightning_attn import reference
+
+    lengths = [300, 17, 129, 64]
+    q, k, v, pool = make_inputs(91, sum(lengths), 4, 16, 4)
+    slots = [2, 0, 3, 1]
+    slopes = minimax_slopes(4, layer=9)
+    one_out, one_pool, cu = run_prefill(q, k, v, slopes, lengths, pool, slots, 16)
+    # 4 heads x 16 per token -> 64-token groups: 300 tokens take five rounds, 17 and 129 share groups.
+    monkeypatch.setattr(reference, "_GROUP_ELEMENTS", 64 * 64)
+    out, new_pool, _ = run_prefill(q, k, v, slopes, lengths, pool, slots, 16)
+    assert np.array_equal(out, one_out)
+    assert np.array_equal(new_pool, one_pool)
+    for b, slot in enumerate(slots):
+        sl = slice(cu[b], cu[b + 1])
+        ref_out, ref_state = recurrence(q[sl], k[sl], v[sl], slopes, pool[slot])
+        assert rel_err(out[sl], ref_out) <= TOL
+        assert rel_err(new_pool[slot], ref_state) <= TOL
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 19], ids=["one-slot-chunks", "default"])
+def test_decode_slot_runs_and_chunks(monkeypatch, chunk_bytes):
+    """Decode works in place on runs of consecutive slots (any batch order, padding between), chunked."""
+    from fastdeploy_ext.ops.lightning_attn import reference
+
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    slots = np.array([7, 2, -1, 3, 4, 0, 9, -1, 8], np.int32)
+    q, k, v, pool = make_inputs(61, len(slots), 4, 16, 11)
+    slopes = minimax_slopes(4, layer=2)
+    pool_t = pd(pool)
+    out = lightning_attn_decode(pd(q), pd(k), pd(v), pd(slopes), pool_t, pd(slots)).numpy()
+    new_pool = pool_t.numpy()
+    for b, slot in enumerate(slots):
+        if slot < 0:
+            assert np.all(out[b] == 0.0)
+            continue
+        ref_out, ref_state = recurrence(q[b : b + 1], k[b : b + 1], v[b : b + 1], slopes, pool[slot])
+        assert rel_err(out[b], ref_out[0]) <= TOL
+        assert rel_err(new_pool[slot], ref_state) <= TOL
+    assert np.array_equal(new_pool[[1, 5, 6, 10]], pool[[1, 5, 6, 10]])

@@ -226,11 +226,13 @@ class Attention(nn.Layer):
         k_cache, v_cache = forward_meta.caches[self.kv_cache_index]
         write_rows(k_cache, meta.slot_mapping, k)
         write_rows(v_cache, meta.slot_mapping, v)
-        # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values).
-        q = q.astype("float32") * self.scale
+        host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
+        # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values); on CPU in NumPy
+        # (Paddle's elementwise kernel is ~3x slower).
+        q = dlpack.from_dlpack(np.from_dlpack(q) * np.float32(self.scale)) if host else q.astype("float32") * self.scale
         if not meta.num_decode:
             outs = []
-        elif k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32:
+        elif host:
             outs = [self._decode_host(q[:meta.num_decode], k_cache, v_cache, meta.decodes, meta.block_size)]
         else:
             outs = [self._decode(q[g.start:g.start + g.count], k_cache, v_cache, g, meta.block_size)
@@ -315,17 +317,21 @@ class Attention(nn.Layer):
         qh = permute(q.reshape([n, hkv, g, d]), [1, 2, 0, 3]).reshape([hkv, g * n, d])
         scores = paddle.matmul(qh, keys, transpose_y=True)  # [Hkv, g*n, L]
         if mask is None:
-            causal_softmax_(_host(scores).reshape(hkv * g, n, -1))
-            probs = scores
-        else:
-            probs = nn.functional.softmax((scores.reshape([hkv, g, n, -1]) + mask).reshape([hkv, g * n, -1]), axis=-1)
+            # Unnormalised probabilities; the row sums divide the (D-wide, not L-wide) output instead.
+            sums = causal_exp_(_host(scores).reshape(hkv * g, n, -1))
+            out = _host(paddle.matmul(scores, vals)).reshape(hkv, g, n, d).transpose(2, 0, 1, 3)
+            res = np.empty((n, hkv, g, d), np.float32)
+            np.divide(out, sums.reshape(hkv, g, n, 1).transpose(2, 0, 1, 3), out=res)
+            return dlpack.from_dlpack(res.reshape(n, hkv * g, d))
+        probs = nn.functional.softmax((scores.reshape([hkv, g, n, -1]) + mask).reshape([hkv, g * n, -1]), axis=-1)
         out = paddle.matmul(probs, vals).reshape([hkv, g, n, d])
         return permute(out, [2, 0, 1, 3]).reshape([n, hkv * g, d])
 
 
-def causal_softmax_(scores: np.ndarray) -> None:
-    """In place: softmax over the last axis of ``scores`` ``[..., n, L]`` with query ``i`` seeing keys
-    ``[0, L - n + i]``. Only the last ``n`` columns hold masked entries, so only they are masked (a
+def causal_exp_(scores: np.ndarray) -> np.ndarray:
+    """In place: ``exp(s - rowmax)`` over the last axis of ``scores`` ``[..., n, L]`` with query ``i``
+    seeing keys ``[0, L - n + i]`` (masked entries become 0); returns the row sums ``[..., n]`` (the
+    softmax denominators). Only the last ``n`` columns hold masked entries, so only they are masked (a
     full-width mask add cost as much as the softmax), and NumPy's in-place passes beat Paddle's CPU
     mask add + softmax by ~1.5x on these shapes."""
     n, width = scores.shape[-2:]
@@ -334,4 +340,4 @@ def causal_softmax_(scores: np.ndarray) -> None:
     rows = scores.reshape(-1, width)
     rows -= rows.max(axis=-1, keepdims=True)
     np.exp(rows, out=rows)
-    rows /= rows.sum(axis=-1, keepdims=True)
+    return rows.sum(axis=-1).reshape(scores.shape[:-1])

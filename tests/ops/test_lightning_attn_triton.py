@@ -285,3 +285,34 @@ def test_gluon_kernel_compiles_for_sm90_without_spilling_much(dtype, warps):
                             options={"num_warps": warps})
     assert kernel.metadata.shared <= 232448, "over the H200's 227 KiB of shared memory per block"
     assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]
+
+
+def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):
+    # One upload per batch layout: a pageable host-to-device copy waits for the stream, so per-call uploads
+    # would serialise the host behind every previous kernel (and forbid CUDA-graph capture).
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_TABLE_CACHE", {})
+    monkeypatch.setattr(tk, "_TABLE_CACHE_SIZE", 2)
+    ops, like = tk._TorchOps(), torch.zeros(1)
+    uploads = []
+    real = tk._TorchOps.from_host
+    monkeypatch.setattr(tk._TorchOps, "from_host", lambda self, a, like: uploads.append(a.shape) or real(self, a, like))
+
+    def tables(cu, seg_len):
+        cu = np.asarray(cu, np.int64)
+        seg, jobs, scans, _ = tk._plan_segments(cu, seg_len, 16)
+        return tk._device_tables(ops, like, cu, seg_len, 16, (seg, jobs, scans))
+
+    first = tables([0, 40, 50], 16)
+    assert len(uploads) == 3 and all(t is not None for t in first)  # 40 tokens split: jobs and scans too
+    again = tables([0, 40, 50], 16)
+    assert len(uploads) == 3 and all(a is b for a, b in zip(first, again))
+    whole = tables([0, 40, 50], 64)
+    assert len(uploads) == 4 and whole[1] is None and whole[2] is None  # no split: only the segment table
+    assert torch.equal(whole[0][:, :2], torch.tensor([[0, 40], [40, 50]], dtype=torch.int32))
+    tables([0, 7], 64)
+    assert len(tk._TABLE_CACHE) == 2  # bounded: the oldest layout was evicted

@@ -408,13 +408,13 @@ def lightning_attn_prefill(
         raise ValueError(f"{seg.shape[0]} segments x {num_heads} heads exceed the launch grid; raise segment_len")
 
     dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
-    seg_t = ops.from_host(seg, q)
+    seg_t, jobs_t, scans_t = _device_tables(ops, q, cu, seg_len, block_size, (seg, jobs, scans))
     buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
     if jobs.shape[0]:
         ops.launch(
             _segment_state_kernel,
             (n_v, num_heads, jobs.shape[0]),
-            [k, v, slopes, buf, ops.from_host(jobs, q), num_heads],
+            [k, v, slopes, buf, jobs_t, num_heads],
             D=head_dim,
             BT=block_size,
             BV=cfg.block_v,
@@ -427,7 +427,7 @@ def lightning_attn_prefill(
         ops.launch(
             _segment_scan_kernel,
             (head_dim // scan_rows, num_heads, scans.shape[0]),
-            [state_pool, buf, seg_t, ops.from_host(scans, q), slot_ids, slopes, num_slots, num_heads],
+            [state_pool, buf, seg_t, scans_t, slot_ids, slopes, num_slots, num_heads],
             D=head_dim,
             BR=scan_rows,
             num_warps=4,
@@ -531,6 +531,29 @@ def _plan_segments(cu, seg_len, block_size):
         n_buf += len(bounds) - 1
     as_table = lambda rows, cols: np.asarray(rows, dtype=np.int32).reshape(-1, cols)  # noqa: E731
     return as_table(seg_rows, _SEG_COLS), as_table(job_rows, 3), as_table(scan_rows, 2), n_buf
+
+
+_TABLE_CACHE = {}
+_TABLE_CACHE_SIZE = 64
+
+
+def _device_tables(ops, like, cu, seg_len, block_size, tables):
+    """Device copies of the launch tables, cached by the batch layout.
+
+    A host-to-device copy from pageable memory first waits for the stream to drain, so uploading the tables
+    on every call would stall the host behind the previous kernel; the layers of one model step (70 in
+    MiniMax-M1) share one layout and so one upload, and a warm cache lets the call be captured in a CUDA graph.
+    """
+    key = (ops.name, ops.device_key(like), cu.tobytes(), seg_len, block_size)
+    hit = _TABLE_CACHE.get(key)
+    if hit is None:
+        if ops.is_capturing(like):
+            raise ValueError("the first prefill call for a batch layout uploads its tables; run it once before capture")
+        hit = tuple(ops.from_host(t, like) if t.shape[0] else None for t in tables)
+        if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
+            _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+        _TABLE_CACHE[key] = hit
+    return hit
 
 
 def _segment_len(ops, like, cu, block_size, programs_per_segment):

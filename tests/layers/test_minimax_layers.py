@@ -245,3 +245,20 @@ def test_moe_batched_and_exact_paths_match_per_token_loop(monkeypatch, seed, tok
     got = moe(x, gate).numpy()
     assert rel_err(got, want) <= REL_TOL
     assert bool(calls) == batched
+
+
+def test_moe_host_threads_do_not_change_results():
+    """The NumPy activation split over host threads (large batches) is bit-equal to one thread."""
+    from fastdeploy_ext.ops import host_threads
+
+    moe, gate, x, want = _moe_case(9, 700)
+    before = host_threads.host_threads()
+    try:
+        host_threads.set_host_threads(1)
+        one = moe(x, gate).numpy()
+        host_threads.set_host_threads(2)
+        two = moe(x, gate).numpy()
+    finally:
+        host_threads.set_host_threads(before)
+    assert np.array_equal(one, two)
+    assert rel_err(two, want) <= REL_TOL

@@ -160,7 +160,7 @@ class LinearAttention(nn.Layer):
             sum_sq = tensor_model_parallel_all_reduce(paddle.sum(y * y, axis=-1, keepdim=True), self.fd_config)
             z = y * paddle.rsqrt(sum_sq / width + self.norm_eps) * self.norm.weight
             return nn.functional.sigmoid(gate) * z
-        sum_sq = np.einsum("ij,ij->i", host_y, host_y)[:, None]
+        sum_sq = np.einsum("ij,ij->i", host_y, host_y).reshape(-1, 1)  # real strides: collectives need them
         sum_sq = np.from_dlpack(tensor_model_parallel_all_reduce(dlpack.from_dlpack(sum_sq), self.fd_config))
         out = np.negative(host_gate)
         np.exp(out, out=out)

@@ -279,6 +279,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time launch configurations first")
     parser.add_argument("--json", help="write all numbers to this file")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode table")
     args = parser.parse_args()
     torch.manual_seed(0)
     # The torch baseline runs its fp32 matmuls in TF32, the precision class of our default.
@@ -297,7 +298,8 @@ def main():
     if args.sweep:
         sweep(bw, results)
     bench_prefill(bw, fla, results)
-    bench_decode(bw, fla, results)
+    if not args.prefill_only:
+        bench_decode(bw, fla, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

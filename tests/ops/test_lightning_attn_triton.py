@@ -316,3 +316,24 @@ def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):
     assert torch.equal(whole[0][:, :2], torch.tensor([[0, 40], [40, 50]], dtype=torch.int32))
     tables([0, 7], 64)
     assert len(tk._TABLE_CACHE) == 2  # bounded: the oldest layout was evicted
+
+
+@pytest.mark.parametrize(
+    "lengths, programs, want_whole",
+    [([32768], 128, True), ([32768], 256, True), ([32768], 64, False), ([32768], 16, False), ([4096] * 8, 16, True)],
+    ids=["h64-bv64", "h64-bv32", "h32-bv64", "h8-bv64", "8-seqs-h8"],
+)
+def test_segment_len_splits_only_when_sms_would_idle(lengths, programs, want_whole):
+    import numpy as np
+
+    from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
+
+    class H200:
+        def num_sms(self, like):
+            return 132
+
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    seg_len = tk._segment_len(H200(), None, cu, 64, programs)
+    assert (seg_len >= max(lengths)) is want_whole
+    if not want_whole:
+        assert seg_len % 64 == 0 and seg_len >= 16 * 64

@@ -197,17 +197,20 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
         # (gathering and scattering whole [B, H, D, D] batches costs several extra passes).
         order = np.argsort(live, kind="stable")
         live, rows = live[order], rows[order]
+        qs, ks, vs = qh[rows], kh[rows], vh[rows]  # in slot order: each chunk below is a slice
+        out_sorted = np.empty_like(qs)
         per_chunk = max(1, _DECODE_CHUNK_BYTES // (4 * num_heads * head_dim * head_dim))
         update = np.empty((min(per_chunk, rows.shape[0]), num_heads, head_dim, head_dim), np.float32)
         run_starts = np.flatnonzero(np.diff(live, prepend=-2) != 1).tolist()
         for lo, end in zip(run_starts, run_starts[1:] + [rows.shape[0]]):
             for a in range(lo, end, per_chunk):
                 b = min(a + per_chunk, end)
-                r, state, upd = rows[a:b], pool[live[a]:live[a] + b - a], update[:b - a]
+                state, upd = pool[live[a]:live[a] + b - a], update[:b - a]
                 state *= lam
-                np.einsum("bhd,bhe->bhde", kh[r], vh[r], out=upd)  # k^T v (2x faster than a broadcast)
+                np.einsum("bhd,bhe->bhde", ks[a:b], vs[a:b], out=upd)  # k^T v (2x faster than a broadcast)
                 state += upd
-                out[r] = (qh[r][..., None, :] @ state)[..., 0, :]
+                np.matmul(qs[a:b, :, None, :], state, out=out_sorted[a:b, :, None, :])
+        out[rows] = out_sorted
     return dlpack.from_dlpack(out)
 
 

@@ -208,7 +208,6 @@ def _moe_case(seed, tokens, experts=5, top_k=2, hidden=32, inter=24, dead_expert
         logits[:, dead_expert] -= 100.0
     # The router is linear in x: append a constant-one feature to carry the dead expert's offset.
     router_x = np.concatenate([router, (logits - x @ router.T).mean(0)[:, None]], axis=1)
-    xin = np.concatenate([x, np.ones((tokens, 1))], axis=1)
     want = np.zeros_like(x)
     for t in range(tokens):
         p = np.exp(logits[t] - logits[t].max())

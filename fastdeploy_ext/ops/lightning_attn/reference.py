@@ -11,8 +11,8 @@ Prefill evaluates the recurrence in the block form, vectorised over sequences, b
 every block's intra term and key-value sum in batched matmuls, then a short scan over the block
 index (vectorised over sequences) for the states the inter terms need. Decode applies one step to
 a batch of slots. Everything runs in NumPy on the tensors' memory (DLPack, zero-copy): Paddle's CPU
-transposes, gathers and broadcasts are several times slower than NumPy's, and the per-sequence,
-per-block Paddle loop this replaces spent more time dispatching than computing on short prompts.
+transposes, gathers and broadcasts are several times slower than NumPy's, and a per-sequence,
+per-block loop spends more time dispatching small ops than computing on short prompts.
 """
 
 import numpy as np

@@ -110,6 +110,21 @@ class ModelRunner:
                 for pool in self.state_pool:
                     pool[paddle.to_tensor(fresh)] = 0.0
 
+        rows, sample_at, prompt_at = [], {}, {}
+        for b, s in enumerate(ordered):
+            if s.prompt_logits:
+                prompt_at[b] = (len(rows), len(s.token_ids))
+                rows.extend(range(cu[b], cu[b + 1]))
+            if s.completes:
+                sample_at[b] = len(rows)
+                rows.append(cu[b + 1] - 1)
+        # Without prompt logits the rows are each sequence's last, ascending: a model that can computes
+        # only them (its last layer skips the other tokens' attention output and MLP). All rows (a
+        # decode-only step) need neither that nor a gather.
+        every_row = len(rows) == int(cu[-1]) and not prompt_at
+        output_rows = (np.asarray(rows, np.int64) if rows and not prompt_at and not every_row
+                       and self.model.selects_output_rows else None)
+
         meta = ForwardMeta(
             ids_remove_padding=paddle.to_tensor(np.asarray(ids, np.int64)),
             position_ids=paddle.to_tensor(np.asarray(positions, np.int64)),
@@ -119,26 +134,21 @@ class ModelRunner:
             cu_seqlens_q=cu,
             block_tables=block_tables,
             caches=self.caches,
-            attn_metadata=build_attention_metadata(lens, starts, block_tables, self.block_size, num_decode)
-            if self.caches else None,
+            attn_metadata=build_attention_metadata(lens, starts, block_tables, self.block_size, num_decode,
+                                                   output_rows) if self.caches else None,
             num_decode=num_decode,
             state_pool=self.state_pool,
             slot_ids=slot_ids,
+            output_rows=output_rows,
             extra={"requests": ordered},
         )
         hidden = self.model(meta.ids_remove_padding, meta)
 
-        rows, sample_at, prompt_at = [], {}, {}
-        for b, s in enumerate(ordered):
-            if s.prompt_logits:
-                prompt_at[b] = (len(rows), len(s.token_ids))
-                rows.extend(range(cu[b], cu[b + 1]))
-            if s.completes:
-                sample_at[b] = len(rows)
-                rows.append(cu[b + 1] - 1)
         logits = None
         if rows:
-            logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))).numpy()
+            if output_rows is None and not every_row:
+                hidden = paddle.gather(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))
+            logits = self.model.compute_logits(hidden).numpy()
 
         sample, prompt = [None] * len(seqs), [None] * len(seqs)
         for b, i in enumerate(order):

@@ -117,6 +117,7 @@ class Decodes:
     pages: list  # [Bd] int64 page ids covering the context
     first_rows: np.ndarray  # [Bd] int64
     _layouts: dict = field(default_factory=dict)
+    _groups: list | None = None
 
     def score_layout(self, kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where the scores go in a flat buffer holding each sequence's ``[kv_heads, length, group]``
@@ -130,6 +131,25 @@ class Decodes:
             self._layouts[kv_heads] = (offsets, ends - seg_len, seg_len)
         return self._layouts[kv_heads]
 
+    def padded_groups(self, block_size: int) -> list:
+        """These decodes as padded batches of similar context lengths (the non-host path)."""
+        if self._groups is None:
+            self._groups = []
+            for lo, hi in group_decodes(self.lengths) if len(self.lengths) else []:
+                nblk = -(-int(self.lengths[lo:hi].max()) // block_size)
+                idx = np.zeros([hi - lo, nblk], np.int64)
+                mask = np.full([hi - lo, 1, nblk * block_size], _NEG, np.float32)
+                for i in range(lo, hi):
+                    idx[i - lo, : len(self.pages[i])] = self.pages[i]
+                    mask[i - lo, :, : self.lengths[i]] = 0.0
+                self._groups.append(DecodeGroup(lo, hi - lo, nblk * block_size, idx.reshape(-1), mask))
+        return self._groups
+
+    @classmethod
+    def of(cls, lengths, pages, block_size: int) -> "Decodes":
+        first_rows = np.array([p[0] * block_size if np.all(np.diff(p) == 1) else -1 for p in pages], np.int64)
+        return cls(np.asarray(lengths, np.int64).reshape(-1), pages, first_rows)
+
 
 @dataclass
 class AttentionMetadata:
@@ -138,21 +158,10 @@ class AttentionMetadata:
     decodes: Decodes
     prefills: list
     block_size: int
-
-    @cached_property
-    def decode_groups(self) -> list:
-        """The decodes as padded batches of similar context lengths (the non-host path)."""
-        d, bs = self.decodes, self.block_size
-        groups = []
-        for lo, hi in group_decodes(d.lengths) if self.num_decode else []:
-            nblk = -(-int(d.lengths[lo:hi].max()) // bs)
-            idx = np.zeros([hi - lo, nblk], np.int64)
-            mask = np.full([hi - lo, 1, nblk * bs], _NEG, np.float32)
-            for i in range(lo, hi):
-                idx[i - lo, : len(d.pages[i])] = d.pages[i]
-                mask[i - lo, :, : d.lengths[i]] = 0.0
-            groups.append(DecodeGroup(lo, hi - lo, nblk * bs, idx.reshape(-1), mask))
-        return groups
+    # With ForwardMeta.output_rows: those rows, and each as a single query over its context so far
+    # (a layer asked for output rows only attends for them, like decodes).
+    output_rows: np.ndarray | None = None
+    outputs: Decodes | None = None
 
 
 # A decode group costs its padded key rows plus a fixed overhead worth about this many rows.
@@ -182,8 +191,9 @@ def group_decodes(lengths) -> list:
 
 
 def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables, block_size: int,
-                             num_decode: int) -> AttentionMetadata:
-    """Host-side index math for one step. Sequences ``[0, num_decode)`` are decodes (1 token each)."""
+                             num_decode: int, output_rows: np.ndarray | None = None) -> AttentionMetadata:
+    """Host-side index math for one step. Sequences ``[0, num_decode)`` are decodes (1 token each);
+    ``output_rows``: token rows a layer may be asked to attend for alone (see ``Attention.forward``)."""
     slot_parts, prefills = [], []
     dec_pages, dec_lens = [], []
     q_start = 0
@@ -200,9 +210,14 @@ def build_attention_metadata(seq_lens_this_time, seq_lens_decoder, block_tables,
             prefills.append(PrefillSeq(q_start, n, ctx, pages))
         q_start += n
     slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros([0], np.int64)
-    first_rows = np.array([p[0] * block_size if np.all(np.diff(p) == 1) else -1 for p in dec_pages], np.int64)
-    decodes = Decodes(np.array(dec_lens, np.int64), dec_pages, first_rows)
-    return AttentionMetadata(slot_mapping, num_decode, decodes, prefills, block_size)
+    meta = AttentionMetadata(slot_mapping, num_decode, Decodes.of(dec_lens, dec_pages, block_size), prefills, block_size)
+    if output_rows is not None:
+        cu = np.concatenate([[0], np.cumsum(seq_lens_this_time)])
+        seq = np.searchsorted(cu, output_rows, side="right") - 1
+        lengths = np.asarray(seq_lens_decoder)[seq] + (output_rows - cu[seq]) + 1
+        pages = [block_tables[b][: -(-int(n) // block_size)].astype(np.int64) for b, n in zip(seq, lengths)]
+        meta.output_rows, meta.outputs = np.asarray(output_rows, np.int64), Decodes.of(lengths, pages, block_size)
+    return meta
 
 
 class Attention(nn.Layer):
@@ -220,23 +235,27 @@ class Attention(nn.Layer):
         self.kv_cache_index = kv_cache_index
         self.scale = head_dim ** -0.5 if scale is None else scale
 
-    def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, forward_meta) -> paddle.Tensor:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` → ``[T, Hq * D]``."""
+    def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, forward_meta,
+                output_only: bool = False) -> paddle.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` → ``[T, Hq * D]``. With ``output_only`` every token's k/v
+        is still cached but only the step's output rows attend (``[R, Hq * D]``): a model's last layer
+        needs no other row's output."""
         meta: AttentionMetadata = forward_meta.attn_metadata
         k_cache, v_cache = forward_meta.caches[self.kv_cache_index]
         write_rows(k_cache, meta.slot_mapping, k)
         write_rows(v_cache, meta.slot_mapping, v)
         host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
+        if output_only:
+            rows = meta.output_rows
+            q = dlpack.from_dlpack(np.from_dlpack(q)[rows]) if host else paddle.gather(q, paddle.to_tensor(rows))
         # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values); on CPU in NumPy
         # (Paddle's elementwise kernel is ~3x slower).
         q = dlpack.from_dlpack(np.from_dlpack(q) * np.float32(self.scale)) if host else q.astype("float32") * self.scale
-        if not meta.num_decode:
-            outs = []
-        elif host:
-            outs = [self._decode_host(q[:meta.num_decode], k_cache, v_cache, meta.decodes, meta.block_size)]
-        else:
-            outs = [self._decode(q[g.start:g.start + g.count], k_cache, v_cache, g, meta.block_size)
-                    for g in meta.decode_groups]
+        if output_only:
+            out = self._decodes(q, k_cache, v_cache, meta.outputs, meta.block_size, host)
+            return out.reshape([q.shape[0], self.num_heads * self.head_dim])
+        outs = [self._decodes(q[:meta.num_decode], k_cache, v_cache, meta.decodes, meta.block_size, host)] \
+            if meta.num_decode else []
         for p in meta.prefills:
             if p.ctx_start == 0:  # nothing cached before this chunk: its own keys are the context
                 keys = permute(k[p.q_start:p.q_start + p.q_len], [1, 0, 2])
@@ -248,6 +267,14 @@ class Attention(nn.Layer):
             outs.append(self._prefill(q[p.q_start:p.q_start + p.q_len], keys, vals, p))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out.reshape([q.shape[0], self.num_heads * self.head_dim])
+
+    def _decodes(self, q, k_cache, v_cache, d: Decodes, block_size: int, host: bool):
+        """One query row per sequence of ``d`` (q ``[B, Hq, D]``, scaled) → ``[B, Hq, D]``."""
+        if host:
+            return self._decode_host(q, k_cache, v_cache, d, block_size)
+        outs = [self._decode(q[g.start:g.start + g.count], k_cache, v_cache, g, block_size)
+                for g in d.padded_groups(block_size)]
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
     def _decode_host(self, q, k_cache, v_cache, d: Decodes, block_size: int):
         """q ``[Bd, Hq, D]`` (scaled) → ``[Bd, Hq, D]`` in NumPy on the caches' memory: per sequence one

@@ -22,6 +22,8 @@ class ForwardMeta:
     - ``caches``: ``(k_cache, v_cache)`` per attention layer (compact index)
     - ``state_pool``: per recurrent layer (ordinal among those layers) a ``[slots, *state_shape]``
       tensor updated in place; ``slot_ids`` ``[B]`` int64, each sequence's slot (runner-owned)
+    - ``output_rows``: when set (only for a model with ``selects_output_rows``), the ascending token
+      rows whose hidden states the caller needs; the model returns ``[len(output_rows), hidden]``
     """
 
     ids_remove_padding: paddle.Tensor
@@ -36,4 +38,5 @@ class ForwardMeta:
     num_decode: int
     state_pool: Any = None
     slot_ids: Any = None
+    output_rows: np.ndarray | None = None
     extra: dict = field(default_factory=dict)

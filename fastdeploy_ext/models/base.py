@@ -56,6 +56,9 @@ class ModelForCausalLM(nn.Layer):
         return None
 
     supports_prefix_caching = True
+    # forward honours ForwardMeta.output_rows: it returns only those rows' hidden states (and may skip
+    # the last layer's work for the others).
+    selects_output_rows = False
 
 
 def load_weights_by_table(model: nn.Layer, weights: Iterable, stacked_params_mapping: list,

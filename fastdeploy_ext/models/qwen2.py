@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import paddle
 from paddle import nn
 
 from fastdeploy_ext.config.qwen2 import Qwen2Config
@@ -58,14 +59,14 @@ class Qwen2Attention(nn.Layer):
         self.attn = Attention(fd_config, self.num_heads, self.num_kv_heads, cfg.head_dim, kv_cache_index=layer_id,
                               prefix=f"{prefix}.attn")
 
-    def forward(self, positions, hidden, forward_meta):
+    def forward(self, positions, hidden, forward_meta, output_only: bool = False):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         # q and k heads rotate in one call: same positions, same table.
         qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size].reshape([-1, self.num_heads + self.num_kv_heads, self.head_dim]))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].reshape([-1, self.num_kv_heads, self.head_dim])
-        return self.o_proj(self.attn(q, k, v, forward_meta))
+        return self.o_proj(self.attn(q, k, v, forward_meta, output_only))
 
 
 class Qwen2DecoderLayer(nn.Layer):
@@ -78,9 +79,13 @@ class Qwen2DecoderLayer(nn.Layer):
         )
         self.mlp = Qwen2MLP(fd_config, cfg, f"{prefix}.mlp")
 
-    def forward(self, positions, hidden, residual, forward_meta):
+    def forward(self, positions, hidden, residual, forward_meta, output_only: bool = False):
+        """With ``output_only`` (the last layer, ``forward_meta.output_rows`` set) every token's k/v is
+        cached, then only the output rows go on through attention, the residual and the MLP."""
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_meta)
+        hidden = self.self_attn(positions, hidden, forward_meta, output_only)
+        if output_only:
+            residual = paddle.gather(residual, paddle.to_tensor(forward_meta.output_rows))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -102,8 +107,9 @@ class Qwen2Model(nn.Layer):
         hidden = self.embed_tokens(ids_remove_padding) if inputs_embeds is None else inputs_embeds
         residual = None
         positions = forward_meta.position_ids
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, forward_meta)
+        last = len(self.layers) - 1 if forward_meta.output_rows is not None else -1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, forward_meta, output_only=i == last)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -112,6 +118,7 @@ class Qwen2ForCausalLM(ModelForCausalLM):
     config_class = Qwen2Config
     # Fused parameter -> checkpoint projections (quantization skip lists name the latter).
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
+    selects_output_rows = True
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -30,6 +30,29 @@ def test_batch_invariance_with_preemption(tiny_qwen2_dir, alone):
     assert engine.block_manager.num_used == 0
 
 
+def test_last_layer_on_output_rows_only_equals_all_rows(tiny_qwen2_dir, monkeypatch):
+    """Qwen2's last layer attends and runs its MLP for the sampled rows only; with every row computed
+    the same queued, mixed and chunked workload gives the same tokens and logprobs."""
+    from fastdeploy_ext.models.qwen2 import Qwen2ForCausalLM
+
+    selected_steps = []
+    forward = Qwen2ForCausalLM.forward
+
+    def spy(self, ids, forward_meta, *args):
+        selected_steps.append(forward_meta.output_rows is not None)
+        return forward(self, ids, forward_meta, *args)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "forward", spy)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64)
+    selected, stats, _ = run_mixed_workload(tiny_qwen2_dir, **kw)
+    assert stats.num_mixed_steps > 0 and stats.num_chunked_prefill_steps > 0 and any(selected_steps)
+    monkeypatch.setattr(Qwen2ForCausalLM, "selects_output_rows", False)
+    selected_steps.clear()
+    full, _, _ = run_mixed_workload(tiny_qwen2_dir, **kw)
+    assert not any(selected_steps)
+    assert_same(selected, full)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 32, 100], ids=lambda c: f"chunk{c}")
 def test_chunked_prefill_equals_one_shot(tiny_qwen2_dir, chunk):
     prompt = prompts_of([150], 202)[0]

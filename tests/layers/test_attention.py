@@ -83,7 +83,7 @@ def test_host_decode_matches_padded_batches_and_float64(seed, contiguous):
     host, (kc, vc) = _run(attn, q, k, v, k_cache, v_cache, meta)  # writes the new rows into kc, vc
     qs = paddle.to_tensor(q) * attn.scale
     padded = paddle.concat([attn._decode(qs[g.start:g.start + g.count], kc, vc, g, BLOCK)
-                            for g in meta.decode_groups]).numpy()
+                            for g in meta.decodes.padded_groups(BLOCK)]).numpy()
     ref = _reference(q, k, v, k_cache, v_cache, pages, lengths)
     assert _rel_err(host, ref) < REL_TOL
     assert _rel_err(padded, ref) < REL_TOL
@@ -160,3 +160,32 @@ def test_host_prefill_softmax_matches_masked_path_and_float64(seed, ctx, n):
             ref[i, h] = (w / w.sum()) @ vals[h // g, : ctx + i + 1]
     assert _rel_err(host, ref) < REL_TOL
     assert _rel_err(masked, ref) < REL_TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_output_only_rows_equal_full_step_rows(seed):
+    """A mixed step (two decodes, a fresh prompt, a chunk after 40 cached tokens, a 1-token chunk):
+    attending for the output rows alone gives those rows of the full step, and caches every k/v."""
+    rng = np.random.default_rng(seed)
+    n_new, cached = np.array([1, 1, 20, 5, 1]), np.array([30, 7, 0, 40, 16])
+    pages = _pages(rng, list(n_new + cached), 64, contiguous=bool(seed))
+    tables = np.zeros([len(pages), max(len(p) for p in pages)], np.int64)
+    for b, p in enumerate(pages):
+        tables[b, : len(p)] = p
+    t = int(n_new.sum())
+    rows = np.cumsum(n_new) - 1
+    k_cache = rng.standard_normal([KV_HEADS, 64 * BLOCK, DIM]).astype(np.float32)
+    v_cache = rng.standard_normal([KV_HEADS, 64 * BLOCK, DIM]).astype(np.float32)
+    q, k, v = (rng.standard_normal([t, h, DIM]).astype(np.float32) for h in (HEADS, KV_HEADS, KV_HEADS))
+    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
+    full_meta = build_attention_metadata(n_new, cached, tables, BLOCK, num_decode=2)
+    full, (kc_full, _) = _run(attn, q, k, v, k_cache, v_cache, full_meta)
+    out_meta = build_attention_metadata(n_new, cached, tables, BLOCK, num_decode=2, output_rows=rows)
+    caches = [(paddle.to_tensor(k_cache), paddle.to_tensor(v_cache))]
+    fm = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=None, seq_lens_encoder=None,
+                     seq_lens_decoder=None, cu_seqlens_q=None, block_tables=None, caches=caches,
+                     attn_metadata=out_meta, num_decode=2)
+    got = attn(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), fm, output_only=True).numpy()
+    assert got.shape == (len(rows), HEADS * DIM)
+    assert np.abs(got - full.reshape(t, -1)[rows]).max() < 1e-5
+    assert np.array_equal(caches[0][0].numpy(), kc_full.numpy())

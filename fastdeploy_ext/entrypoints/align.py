@@ -340,9 +340,14 @@ def engine_decoder_states(llm, prompt: dict) -> tuple[list[np.ndarray], list[int
     hooks = [stack.layers[0].register_forward_pre_hook(lambda m, inputs: captured["embed"].append(inputs[1].numpy().copy())),
              stack.register_forward_post_hook(lambda m, inputs, output: captured["norm"].append(output.numpy().copy()))]
     hooks += [layer.register_forward_post_hook(layer_output) for layer in stack.layers]
+    model = llm.llm_engine.model
+    # Every prompt row through every layer: a model that selects output rows would run its last layer
+    # for the sampled row only.
+    model.selects_output_rows = False
     try:
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
     finally:
+        del model.selects_output_rows
         for h in hooks:
             h.remove()
     if len(captured["norm"]) != 1:

@@ -146,7 +146,7 @@ class Decodes:
         return self._groups
 
     @classmethod
-    def of(cls, lengths, pages, block_size: int) -> "Decodes":
+    def of(cls, lengths, pages, block_size: int) -> Decodes:
         first_rows = np.array([p[0] * block_size if np.all(np.diff(p) == 1) else -1 for p in pages], np.int64)
         return cls(np.asarray(lengths, np.int64).reshape(-1), pages, first_rows)
 

@@ -43,7 +43,7 @@ def test_last_layer_on_output_rows_only_equals_all_rows(tiny_qwen2_dir, monkeypa
         return forward(self, ids, forward_meta, *args)
 
     monkeypatch.setattr(Qwen2ForCausalLM, "forward", spy)
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=64)
+    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 64}
     selected, stats, _ = run_mixed_workload(tiny_qwen2_dir, **kw)
     assert stats.num_mixed_steps > 0 and stats.num_chunked_prefill_steps > 0 and any(selected_steps)
     monkeypatch.setattr(Qwen2ForCausalLM, "selects_output_rows", False)

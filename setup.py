@@ -16,6 +16,7 @@ setup(
         "pyyaml",
         "soundfile",
         "soxr",
+        "threadpoolctl",
     ],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],

@@ -113,11 +113,9 @@ def test_decode_after_prefill_equals_longer_prefill():
     assert rel_err(pool_t.numpy()[0], ref_state) <= TOL
 
 
-def test_decode_padding_leaves_pool_bit_identical():
-    seed = 41
-    q, k, v, pool = make_inputs(seed, 5, 4, 16, 6)
-    slopes = minimax_slopes(4, layer=3)
-    slots = np.array([3, -1, 0, -1, 5], np.int32)
+def check_decode_step(q, k, v, slopes, pool, slots):
+    """One decode step vs the recurrence per live row; padding rows (-1) give 0 and every slot not named
+    keeps its state bit for bit."""
     pool_t = pd(pool)
     out = lightning_attn_decode(pd(q), pd(k), pd(v), pd(slopes), pool_t, pd(slots)).numpy()
     new_pool = pool_t.numpy()
@@ -128,7 +126,16 @@ def test_decode_padding_leaves_pool_bit_identical():
         ref_out, ref_state = recurrence(q[b : b + 1], k[b : b + 1], v[b : b + 1], slopes, pool[slot])
         assert rel_err(out[b], ref_out[0]) <= TOL
         assert rel_err(new_pool[slot], ref_state) <= TOL
-    assert np.array_equal(new_pool[[1, 2, 4]], pool[[1, 2, 4]])
+    untouched = sorted(set(range(pool.shape[0])) - set(int(s) for s in slots))
+    assert np.array_equal(new_pool[untouched], pool[untouched])
+
+
+def test_decode_padding_leaves_pool_bit_identical():
+    seed = 41
+    q, k, v, pool = make_inputs(seed, 5, 4, 16, 6)
+    slopes = minimax_slopes(4, layer=3)
+    slots = np.array([3, -1, 0, -1, 5], np.int32)
+    check_decode_step(q, k, v, slopes, pool, slots)
 
 
 def test_decode_all_padding_returns_zeros():
@@ -300,14 +307,4 @@ def test_decode_slot_runs_and_chunks(monkeypatch, chunk_bytes):
     slots = np.array([7, 2, -1, 3, 4, 0, 9, -1, 8], np.int32)
     q, k, v, pool = make_inputs(61, len(slots), 4, 16, 11)
     slopes = minimax_slopes(4, layer=2)
-    pool_t = pd(pool)
-    out = lightning_attn_decode(pd(q), pd(k), pd(v), pd(slopes), pool_t, pd(slots)).numpy()
-    new_pool = pool_t.numpy()
-    for b, slot in enumerate(slots):
-        if slot < 0:
-            assert np.all(out[b] == 0.0)
-            continue
-        ref_out, ref_state = recurrence(q[b : b + 1], k[b : b + 1], v[b : b + 1], slopes, pool[slot])
-        assert rel_err(out[b], ref_out[0]) <= TOL
-        assert rel_err(new_pool[slot], ref_state) <= TOL
-    assert np.array_equal(new_pool[[1, 5, 6, 10]], pool[[1, 5, 6, 10]])
+    check_decode_step(q, k, v, slopes, pool, slots)

@@ -4,7 +4,9 @@ Model: random MiniMax, 8 layers (GQA at l = 3, 7), hidden 512, 8 heads of 64 (ro
 intermediate 512. Run: ``python benchmarks/bench_minimax.py [--threads N] [--requests 32]``.
 
 1. Throughput: ``--requests`` prompts of 64 random tokens, 32 greedy tokens each; the engine batches them,
-   HF ``generate`` runs them as one left-padded batch (its MiniMaxCache has no per-request admission).
+   HF ``generate`` runs them as one batch (its MiniMaxCache has no per-request admission). With ``--mixed``
+   the workload of ``bench_engine.py`` instead: prompt lengths drawn from [16, 512] (seed 0, printed), 64
+   greedy tokens each, HF on one left-padded batch.
 2. Decode time per token at context 256 and 4096 on the engine (one sequence): lightning layers cost the
    same at any context (fixed [H, D, D] state); only the two GQA layers grow with the context.
 """
@@ -37,19 +39,21 @@ def engine_throughput(path, prompts, new_tokens):
 
 
 def hf_throughput(path, prompts, new_tokens):
+    """HF ``generate`` on one left-padded batch (pad id 0, masked)."""
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from tests.minimax_oracle import load_minimax_oracle
 
     model = load_minimax_oracle(path)
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2, do_sample=False)
         t = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False)
+                             do_sample=False, pad_token_id=0)
         dt = time.perf_counter() - t
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
@@ -77,7 +81,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: 32 (64 with --mixed)")
+    parser.add_argument("--mixed", action="store_true", help="bench_engine.py's workload: prompts of 16-512 tokens")
+    parser.add_argument("--skip-context", action="store_true", help="skip the decode-vs-context timings")
     args = parser.parse_args()
     # Paddle's CPU kernels read OMP_NUM_THREADS when first imported; torch is told explicitly.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -89,12 +95,21 @@ def main():
 
     with tempfile.TemporaryDirectory() as d:
         write_tiny("MiniMaxM1ForCausalLM", d, seed=0, full_every=4, **BENCH_MODEL)
-        prompts = np.random.default_rng(0).integers(0, 500, size=(args.requests, 64)).tolist()
-        eng = engine_throughput(d, prompts, args.new_tokens)
-        hf = hf_throughput(d, prompts, args.new_tokens)
-        print(f"threads={args.threads} requests={args.requests} prompt=64 new={args.new_tokens}")
+        rng = np.random.default_rng(0)
+        if args.mixed:
+            lengths = rng.integers(16, 513, size=args.requests).tolist()
+            prompts = [rng.integers(0, 500, size=n).tolist() for n in lengths]
+            new_tokens = args.new_tokens or 64
+            print(f"prompt lengths (seed 0): {lengths}")
+        else:
+            prompts = rng.integers(0, 500, size=(args.requests, 64)).tolist()
+            new_tokens = args.new_tokens or 32
+        eng = engine_throughput(d, prompts, new_tokens)
+        hf = hf_throughput(d, prompts, new_tokens)
+        shape = "16-512 (mixed)" if args.mixed else "64"
+        print(f"threads={args.threads} requests={args.requests} prompt={shape} new={new_tokens}")
         print(f"engine: {eng:.1f} tok/s   HF generate: {hf:.1f} tok/s   ratio {eng / hf:.2f}")
-        for ctx in (256, 4096):
+        for ctx in () if args.skip_context else (256, 4096):
             print(f"engine decode at context {ctx}: {decode_ms_per_token(d, ctx):.1f} ms/token")
 
 

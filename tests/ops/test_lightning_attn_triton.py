@@ -263,7 +263,7 @@ def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dty
 
 
 @pytest.mark.parametrize("dtype, warps", [("float32", 8), ("float32", 4), ("bfloat16", 8)])
-def test_gluon_kernel_compiles_for_sm90_without_spilling_much(dtype, warps):
+def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps):
     # A real ptxas compile for sm_90 (no GPU needed): catches layout/operand errors in the Hopper kernel on CPU CI.
     torch = pytest.importorskip("torch")
     import triton

@@ -287,7 +287,7 @@ def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_o
     """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
 
     Many heads, float32 in TF32 mode on Hopper (``gluon_ok``): the Gluon kernel, BV = 64 with 8 warps (H = 64:
-    2.4 ms vs 3.3 ms); with few heads or bf16 inputs it measured no faster or slower, so Triton stays.
+    1.63 ms vs 3.3 ms); with few heads or bf16 inputs it measured no faster or slower, so Triton stays.
 
     Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting sequences
     (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).

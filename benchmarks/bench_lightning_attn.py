@@ -259,10 +259,6 @@ def bench_decode(bw, fla, results):
             except Exception as exc:  # keep the rest of the table
                 row["fla_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(row["fla_error"])
-            try:
-                row["fla_graph_ms"] = median_ms(fla_fn, graph=True)
-            except Exception as exc:
-                print(f"fla graph capture failed: {type(exc).__name__}: {str(exc)[:120]}")
         row["torch_us"] = median_ms(
             lambda: torch_decode(x["q"], x["k"], x["v"], x["slopes"], x["pool"], x["slots"])
         ) * 1e3

@@ -1,5 +1,5 @@
 """One-call device sweep of prefill kernel variants: median time and error vs the IEEE kernel (same inputs,
-same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16}"""
+same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16|gluon}"""
 import json, sys, time
 import torch
 from triton.testing import do_bench
@@ -11,7 +11,15 @@ C = tk.LaunchConfig
 def variants(bv, w, st):
     return [C(bv, w, st), C(bv, w, st, recompute_mask=True), C(bv, w, st, fold_offsets=True),
             C(bv, w, st, recompute_mask=True, fold_offsets=True)]
-if sys.argv[2] == "f32":
+if sys.argv[2] == "gluon":  # the Hopper kernel beside the Triton defaults
+    G = lambda bv, w: C(bv, w, 1, gluon=True)  # noqa: E731
+    CASES = [(64, torch.float32, [(64, c, None) for c in [C(32, 4, 1), G(64, 4), G(64, 8)]]),
+             (8, torch.float32, [(64, c, None) for c in [C(64, 4, 1), G(64, 4), G(64, 8)]]
+              + [(64, G(64, 8), s) for s in (1024, 4096)]),
+             (64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(64, 4), G(64, 8)]]),
+             (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), G(64, 4), G(64, 8)]]
+              + [(64, G(64, 8), s) for s in (1024, 4096)])]
+elif sys.argv[2] == "f32":
     CASES = [(64, torch.float32, [(64, c, None) for c in variants(32, 4, 1)]
               + [(64, C(64, 4, 1, True, True), None), (32, C(32, 4, 2, True, True), None), (64, C(32, 8, 1, True, True), None)]),
              (8, torch.float32, [(64, c, None) for c in variants(64, 4, 1)] + [(64, C(64, 4, 1, True, True), 1024)])]

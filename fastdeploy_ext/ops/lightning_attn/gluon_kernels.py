@@ -197,14 +197,10 @@ def _output_kernel(
 
 def descriptors(q, k, block_size):
     """TMA descriptors over ``[T, H * D]`` views of q and k (torch tensors)."""
-    bits = 32 if q.dtype.itemsize == 4 else 16
-    head_dim = q.shape[2]
-    out = []
-    for t, cols in ((q, head_dim), (k, head_dim)):
-        flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
-        layout = _nvmma_shared([block_size, cols], bits)
-        out.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [block_size, cols], layout))
-    return out
+    block = [block_size, q.shape[2]]
+    layout = _nvmma_shared(block, 32 if q.dtype.itemsize == 4 else 16)
+    flats = (t.view(t.shape[0], t.shape[1] * t.shape[2]) for t in (q, k))
+    return [TensorDescriptor(f, list(f.shape), [f.shape[1], 1], block, layout) for f in flats]
 
 
 def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, n_segs, *, block_size, block_v,

@@ -17,6 +17,7 @@ from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from fastdeploy_ext.layers.linear import compute_dtype
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
+from fastdeploy_ext.ops import cpu_gemm
 from fastdeploy_ext.ops.host_threads import run_parallel, split
 
 SHARD_IDS = ("gate", "up", "down")
@@ -61,6 +62,17 @@ class FusedMoE(nn.Layer):
                 param.weight_loader = self.quant_method.codes_loader(self, name)
             param.param_path = f"{prefix}.{name}"
             param.expected_shards = {f"{e}.{s}" for e in range(num_experts) for s in shards}
+        self._packed = None
+
+    def process_weights_after_loading(self) -> None:
+        """On CPU with fp32 experts and MKL in Paddle's build, pack every expert's weights once for
+        :mod:`fastdeploy_ext.ops.cpu_gemm` (a copy of the weights: loading any expert drops it again).
+        Without this call, or elsewhere, experts run through Paddle's matmul."""
+        self._packed = None
+        weights = [getattr(self, name) for name in ("up_gate_proj_weight", "down_proj_weight")]
+        if (self.quant_method is None and cpu_gemm.available()
+                and all(w.place.is_cpu_place() and w.dtype == paddle.float32 for w in weights)):
+            self._packed = [cpu_gemm.PackedWeights(w.numpy()) for w in weights]
 
     def weight_loader(self, param, loaded_weight, shard_id=None, expert_id=None):
         if shard_id not in SHARD_IDS:
@@ -83,6 +95,7 @@ class FusedMoE(nn.Layer):
             offset = 0 if shard_id == "gate" else n
             self._place(param, loaded_weight[lo:lo + n], expert_id, offset, shard_id)
         mark_loaded(param, f"{expert_id}.{shard_id}")
+        self._packed = None
 
     def checkpoint_param(self, name: str, part: str):
         """The parameter taking tensor ``part`` of one expert's checkpoint matrix for stacked weight ``name``:
@@ -121,23 +134,42 @@ class FusedMoE(nn.Layer):
         # busiest expert's count and runs each projection as one batched matmul over the stacked weights.
         # Otherwise segments are exact and each expert with rows gets its own matmul: a large batch is
         # compute-bound (padding would be wasted work), and a batch that skips experts must not read them.
-        batched = (self.quant_method is None and bool(np.all(counts))
+        host_x = _host(x.contiguous()) if self._packed is not None and x.dtype == paddle.float32 else None
+        batched = (host_x is None and self.quant_method is None and bool(np.all(counts))
                    and cap * num_experts <= t * k + _MAX_PAD_ROWS)
         starts = np.arange(num_experts) * cap if batched else np.cumsum(counts) - counts
         order = np.argsort(flat, kind="stable")
         dest = np.empty_like(order)
         dest[order] = np.repeat(starts, counts) + np.arange(t * k) - np.repeat(np.cumsum(counts) - counts, counts)
         num_rows = num_experts * cap if batched else t * k
-        rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
         row_weights = np.zeros(num_rows, np.float32)
         row_weights[dest] = top_w.reshape(-1)
-        segments = None if batched else (starts, counts)
-        act = _swiglu_scaled(self._project("up_gate_proj_weight", rows, segments), row_weights)
-        y = self._project("down_proj_weight", act, segments)
-        out = _sum_rows(y.astype("float32"), dest.reshape(t, k)).astype(x.dtype)
+        if host_x is not None:
+            out = dlpack.from_dlpack(self._forward_packed(host_x, order // k, starts, counts, row_weights, dest))
+        else:
+            rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
+            segments = None if batched else (starts, counts)
+            act = _swiglu_scaled(self._project("up_gate_proj_weight", rows, segments), row_weights)
+            y = self._project("down_proj_weight", act, segments)
+            out = _sum_rows(y.astype("float32"), dest.reshape(t, k)).astype(x.dtype)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out, self.fd_config)
         return out
+
+    def _forward_packed(self, x, src, starts, counts, row_weights, dest):
+        """The exact-segment dispatch in NumPy against the packed experts: every expert's product is written
+        into its rows of one buffer."""
+        up_gate, down = self._packed
+        rows = np.take(x, src, axis=0)
+        h = np.empty((rows.shape[0], up_gate.n), np.float32)
+        live = [(e, slice(s, s + n)) for e, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n]
+        for e, r in live:
+            up_gate.matmul(e, rows[r], h[r])
+        act = _swiglu_scaled_host(h, row_weights)
+        y = np.empty((rows.shape[0], down.n), np.float32)
+        for e, r in live:
+            down.matmul(e, act[r], y[r])
+        return _sum_rows_host(y, dest.reshape(-1, self.top_k))
 
     def _project(self, name: str, rows: paddle.Tensor, segments) -> paddle.Tensor:
         """Every expert's rows times its weight. ``segments`` None: ``rows`` are ``E`` equal padded segments
@@ -192,6 +224,10 @@ def _swiglu_scaled(h: paddle.Tensor, scale: np.ndarray) -> paddle.Tensor:
     host = _host(h)
     if host is None:
         return nn.functional.swiglu(h) * paddle.to_tensor(scale).unsqueeze(1)
+    return dlpack.from_dlpack(_swiglu_scaled_host(host, scale))
+
+
+def _swiglu_scaled_host(host: np.ndarray, scale: np.ndarray) -> np.ndarray:
     inter = host.shape[1] // 2
     out = np.empty((host.shape[0], inter), host.dtype)
 
@@ -205,7 +241,7 @@ def _swiglu_scaled(h: paddle.Tensor, scale: np.ndarray) -> paddle.Tensor:
         o *= scale[r, None]
 
     run_parallel(rows, split(host.shape[0], _HOST_MIN_ROWS))
-    return dlpack.from_dlpack(out)
+    return out
 
 
 def _sum_rows(y: paddle.Tensor, dest: np.ndarray) -> paddle.Tensor:
@@ -213,7 +249,11 @@ def _sum_rows(y: paddle.Tensor, dest: np.ndarray) -> paddle.Tensor:
     host = _host(y)
     if host is None:
         return paddle.gather(y, paddle.to_tensor(dest.reshape(-1))).reshape([dest.shape[0], dest.shape[1], -1]).sum(1)
-    out = host[dest[:, 0]]
+    return dlpack.from_dlpack(_sum_rows_host(host, dest))
+
+
+def _sum_rows_host(y: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    out = y[dest[:, 0]]
     for j in range(1, dest.shape[1]):
-        out += host[dest[:, j]]
-    return dlpack.from_dlpack(out)
+        out += y[dest[:, j]]
+    return out

@@ -214,6 +214,8 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
             loaded.add(ckpt_name)
         check_components_complete(self)
         check_all_loaded(self)
+        for layer in self.model.layers:
+            layer.block_sparse_moe.experts.process_weights_after_loading()
         return loaded
 
     def _param_name(self, ckpt_name: str) -> tuple[str, str | None]:

@@ -18,6 +18,7 @@ from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError
 from fastdeploy_ext.models.minimax_m1 import MiniMaxM1DecoderLayer
+from fastdeploy_ext.ops import cpu_gemm
 from fastdeploy_ext.tiny.minimax_m1 import write_tiny_minimax_m1
 
 REL_TOL = 1e-5
@@ -261,3 +262,35 @@ def test_moe_host_threads_do_not_change_results():
         host_threads.set_host_threads(before)
     assert np.array_equal(one, two)
     assert rel_err(two, want) <= REL_TOL
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
+@pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.parametrize("tokens, dead", [(1, None), (17, None), (17, 3), (255, None), (257, None)],
+                         ids=["one-token", "17", "zero-token-expert", "255", "257"])
+def test_moe_packed_experts_match_per_token_loop(monkeypatch, seed, tokens, dead):
+    """After process_weights_after_loading the experts run against MKL-packed weights (no Paddle matmul per
+    expert) and equal the float64 per-token loop; loading an expert again drops the stale pack."""
+    moe, gate, x, want = _moe_case(seed, tokens, dead_expert=dead)
+    moe.process_weights_after_loading()
+    monkeypatch.setattr(FusedMoE, "_project", lambda *a: pytest.fail("Paddle's expert matmul ran"))
+    got = moe(x, gate).numpy()
+    assert rel_err(got, want) <= REL_TOL
+    moe.up_gate_proj_weight.loaded_shards.discard("0.gate")
+    moe.weight_loader(moe.up_gate_proj_weight, np.zeros((moe.intermediate_size, moe.hidden_size)), "gate", 0)
+    assert moe._packed is None
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
+@pytest.mark.parametrize("rows", [1, 17, 255, 257])
+def test_packed_weights_match_float64(rows):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3, 40, 72)).astype(np.float32)
+    packed = cpu_gemm.PackedWeights(w)
+    a = rng.standard_normal((rows, 50)).astype(np.float32)[:, 5:45]  # strided rows
+    out = np.full((rows, 80), np.nan, np.float32)
+    for e in range(3):
+        packed.matmul(e, a, out[:, 4:76])
+        want = a.astype(np.float64) @ w[e]
+        assert rel_err(out[:, 4:76], want) <= REL_TOL
+    assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 76:]).all()

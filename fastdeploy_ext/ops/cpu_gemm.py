@@ -1,0 +1,91 @@
+"""fp32 matmuls against weights packed once, through the Intel MKL inside Paddle's CPU wheel (ctypes).
+
+Paddle's CPU matmul calls MKL's ``cblas_sgemm``, which re-packs the weight operand on every call. For the
+few rows per expert of a MoE decode step that repacking dominates: 8 layers x 8 experts of [512, 1024] and
+[512, 512] at ~8 rows each took 20-22 ms through ``paddle.bmm`` and 13 ms against weights packed once by
+``cblas_sgemm_pack`` (2 threads, docs/benchmarks.md). Packing also lets each expert's product land in its
+rows of one output buffer (no concat of per-expert results).
+
+A Paddle build without MKL (ARM, OpenBLAS builds) has no ``libmklml_intel.so``: :func:`available` is False
+and callers keep Paddle's matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+_ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
+_ALIGN = 64
+# Row count the pack is told to expect (MKL's packed layout serves any row count).
+_PACK_ROWS = 64
+_mkl = None
+
+
+def _library():
+    global _mkl
+    if _mkl is None:
+        import paddle
+
+        path = os.path.join(os.path.dirname(paddle.__file__), "libs", "libmklml_intel.so")
+        _mkl = False
+        if os.path.exists(path):
+            try:
+                lib = ctypes.CDLL(path)  # the copy Paddle already loaded: one OpenMP runtime, one thread setting
+                i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+                lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+                lib.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
+                lib.cblas_sgemm_pack.restype = None
+                lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
+                lib.cblas_sgemm_compute.restype = None
+                lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+                _mkl = lib
+            except (OSError, AttributeError):
+                _mkl = False
+    return _mkl or None
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+class PackedWeights:
+    """A stack of fp32 right-hand matrices ``[E, K, N]`` (row-major ``x @ W[e]`` operands), packed once.
+
+    The pack is a copy: it goes stale if the weights change, so its owner rebuilds it after loading."""
+
+    def __init__(self, weights: np.ndarray):
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("MKL is not available in this Paddle build")
+        if weights.dtype != np.float32 or weights.ndim != 3:
+            raise ValueError(f"weights must be float32 [E, K, N], got {weights.dtype} {list(weights.shape)}")
+        weights = np.ascontiguousarray(weights)
+        self.num, self.k, self.n = weights.shape
+        # The size MKL asks for carries several MB of slack it never writes; untouched pages of the buffer
+        # are never committed, so only the packed data itself takes memory.
+        size = int(lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, self.n, self.k))
+        self._buffers = []
+        for w in weights:
+            raw = np.empty(size + _ALIGN, np.uint8)
+            buf = raw[-raw.ctypes.data % _ALIGN:][:size]
+            lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, _PACK_ROWS, self.n, self.k, 1.0, w.ctypes.data, self.n,
+                                 buf.ctypes.data)
+            self._buffers.append(buf)
+
+    def matmul(self, index: int, a: np.ndarray, out: np.ndarray) -> None:
+        """``out = a @ W[index]``; ``a`` ``[m, K]`` and ``out`` ``[m, N]`` float32 with unit column stride
+        (rows may be strided)."""
+        m = a.shape[0]
+        if a.shape != (m, self.k) or out.shape != (m, self.n):
+            raise ValueError(f"shapes {list(a.shape)} @ [{self.k}, {self.n}] -> {list(out.shape)}")
+        for x in (a, out):
+            if x.dtype != np.float32 or x.strides[1] != 4 or (m > 1 and x.strides[0] < 4 * x.shape[1]):
+                raise ValueError("a and out must be float32 with contiguous rows")
+        if m == 0:
+            return
+        _library().cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, self.n, self.k, a.ctypes.data,
+                                       max(a.strides[0] // 4, self.k), self._buffers[index].ctypes.data, self.n, 0.0,
+                                       out.ctypes.data, max(out.strides[0] // 4, self.n))

@@ -41,6 +41,8 @@ def _library():
                 lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, f, p, i, p]
                 lib.cblas_sgemm_compute.restype = None
                 lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
+                lib.cblas_sgemm_batch.restype = None
+                lib.cblas_sgemm_batch.argtypes = [i] + [p] * 13 + [i, p]
                 _mkl = lib
             except (OSError, AttributeError):
                 _mkl = False
@@ -89,3 +91,26 @@ class PackedWeights:
         _library().cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, self.n, self.k, a.ctypes.data,
                                        max(a.strides[0] // 4, self.k), self._buffers[index].ctypes.data, self.n, 0.0,
                                        out.ctypes.data, max(out.strides[0] // 4, self.n))
+
+
+def gemm_batch(m: int, n: int, k: int, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, c: np.ndarray, ldc: int,
+               beta: np.ndarray, group_sizes: np.ndarray) -> None:
+    """``C_i = A_i @ B_i + beta_g C_i`` for many small row-major fp32 matrices in one MKL call
+    (``cblas_sgemm_batch``, spread over MKL's threads): ``a``, ``b``, ``c`` are int64 addresses, grouped
+    consecutively by ``group_sizes``, all of shape ``[m, k] @ [k, n]``. The caller owns the memory behind
+    the addresses and keeps it alive."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("MKL is not available in this Paddle build")
+    groups = len(group_sizes)
+    if not (len(a) == len(b) == len(c) == int(np.sum(group_sizes))) or len(beta) != groups:
+        raise ValueError("address arrays must hold sum(group_sizes) entries and beta one per group")
+    ints = [np.full(groups, x, np.int32) for x in (_NO_TRANS, _NO_TRANS, m, n, k, lda, ldb, ldc)]
+    alpha = np.ones(groups, np.float32)
+    beta = np.ascontiguousarray(beta, np.float32)
+    sizes = np.ascontiguousarray(group_sizes, np.int32)
+    a, b, c = (np.ascontiguousarray(x, np.int64) for x in (a, b, c))
+    ta, tb, mm, nn, kk, la, lb, lc = ints
+    lib.cblas_sgemm_batch(_ROW_MAJOR, ta.ctypes.data, tb.ctypes.data, mm.ctypes.data, nn.ctypes.data,
+                          kk.ctypes.data, alpha.ctypes.data, a.ctypes.data, la.ctypes.data, b.ctypes.data,
+                          lb.ctypes.data, beta.ctypes.data, c.ctypes.data, lc.ctypes.data, groups, sizes.ctypes.data)

@@ -300,11 +300,31 @@ def test_prefill_groups_carry_state_and_match_one_group(monkeypatch):
 
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 19], ids=["one-slot-chunks", "default"])
 def test_decode_slot_runs_and_chunks(monkeypatch, chunk_bytes):
-    """Decode works in place on runs of consecutive slots (any batch order, padding between), chunked."""
+    """The NumPy decode (no MKL) works in place on runs of consecutive slots (any batch order, padding
+    between), chunked."""
     from fastdeploy_ext.ops.lightning_attn import reference
 
+    monkeypatch.setattr(reference.cpu_gemm, "available", lambda: False)
     monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", chunk_bytes)
     slots = np.array([7, 2, -1, 3, 4, 0, 9, -1, 8], np.int32)
     q, k, v, pool = make_inputs(61, len(slots), 4, 16, 11)
     slopes = minimax_slopes(4, layer=2)
     check_decode_step(q, k, v, slopes, pool, slots)
+
+
+@pytest.mark.parametrize("mkl", [True, False], ids=["mkl-batched", "numpy"])
+@pytest.mark.parametrize("batch, seed", [(1, 71), (17, 72), (255, 73), (257, 74)])
+def test_decode_batch_sizes_match_recurrence(monkeypatch, mkl, batch, seed):
+    """Both decode paths (two batched MKL GEMMs over (sequence, head); NumPy chunks) at odd batch sizes,
+    slots shuffled with padding rows among them."""
+    from fastdeploy_ext.ops.lightning_attn import reference
+
+    if mkl and not reference.cpu_gemm.available():
+        pytest.skip("this Paddle build has no MKL")
+    if not mkl:
+        monkeypatch.setattr(reference.cpu_gemm, "available", lambda: False)
+    rng = np.random.default_rng(seed)
+    slots = rng.permutation(batch + 3)[:batch].astype(np.int32)
+    slots[rng.random(batch) < 0.1] = -1
+    q, k, v, pool = make_inputs(seed, batch, 2, 16, batch + 3)
+    check_decode_step(q, k, v, minimax_slopes(2, layer=5), pool, slots)

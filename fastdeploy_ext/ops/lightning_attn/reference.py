@@ -19,6 +19,8 @@ import numpy as np
 import paddle
 from paddle.utils import dlpack
 
+from fastdeploy_ext.ops import cpu_gemm
+
 __all__ = ["lightning_attn_prefill", "lightning_attn_decode"]
 
 # Largest temporary of one prefill group (scores [blocks, H, B, B], states [blocks, H, D, D], padded
@@ -192,6 +194,9 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
         pool = _host(state_pool)
         qh, kh, vh = _host(q), _host(k), _host(v)
         lam = np.exp(-_host(slopes).astype(np.float64)).astype(np.float32)[:, None, None]
+        if cpu_gemm.available() and all(_rows_contiguous(x) for x in (qh, kh, vh, out)) and pool.flags.c_contiguous:
+            _decode_mkl(qh, kh, vh, lam.reshape(-1), pool, rows, live, out)
+            return dlpack.from_dlpack(out)
         # The step streams the states once: it works in place on runs of consecutive slots, a few
         # sequences at a time, so decay, k^T v update and q S all hit a chunk while it is in cache
         # (gathering and scattering whole [B, H, D, D] batches costs several extra passes).
@@ -212,6 +217,28 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
                 np.matmul(qs[a:b, :, None, :], state, out=out_sorted[a:b, :, None, :])
         out[rows] = out_sorted
     return dlpack.from_dlpack(out)
+
+
+def _decode_mkl(q, k, v, lam, pool, rows, slots, out):
+    """The step as two batched MKL calls over every (sequence, head): the decay and the ``k^T v`` update in
+    one pass over each state (a rank-1 GEMM with ``beta = lam_h``, one group per head), then ``o = q S``.
+    NumPy needs four passes for the same (scale, outer product, add, product)."""
+    num_heads, d = q.shape[1:]
+    heads = np.arange(num_heads)[:, None]
+
+    def addr(x, index):  # [H, B] addresses of x[index[b], h], head-major (the groups)
+        return x.ctypes.data + index[None, :] * x.strides[0] + heads * x.strides[1]
+
+    states = addr(pool, slots).reshape(-1)
+    sizes = np.full(num_heads, len(rows))
+    cpu_gemm.gemm_batch(d, d, 1, addr(k, rows).reshape(-1), 1, addr(v, rows).reshape(-1), d, states, d, lam, sizes)
+    cpu_gemm.gemm_batch(1, d, d, addr(q, rows).reshape(-1), d, states, d, addr(out, rows).reshape(-1), d,
+                        np.zeros(1, np.float32), sizes[:1] * num_heads)
+
+
+def _rows_contiguous(x):
+    """Each [H, D] row block has unit element stride (the batched GEMMs take D-wide rows)."""
+    return x.strides[2] == x.itemsize and x.strides[1] == x.shape[2] * x.itemsize
 
 
 def _host(t):

@@ -1,5 +1,5 @@
 """One-call device sweep of prefill kernel variants: median time and error vs the IEEE kernel (same inputs,
-same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16|gluon}"""
+same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16|gluon|gluon16}"""
 import json, sys, time
 import torch
 from triton.testing import do_bench
@@ -19,6 +19,11 @@ if sys.argv[2] == "gluon":  # the Hopper kernel beside the Triton defaults
              (64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(64, 4), G(64, 8)]]),
              (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), G(64, 4), G(64, 8)]]
               + [(64, G(64, 8), s) for s in (1024, 4096)])]
+elif sys.argv[2] == "gluon16":  # the copy-free bf16 Gluon kernel; few-head fp32 through the Gluon kernel + segments
+    G = lambda w, st: C(64, w, st, gluon=True)  # noqa: E731
+    CASES = [(64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(4, 2), G(4, 3), G(8, 3)]]),
+             (8, torch.float32, [(64, C(64, 4, 1), None)] + [(64, G(8, 1), s) for s in (None, 1024, 4096)]),
+             (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), G(4, 3), G(8, 3)]])]
 elif sys.argv[2] == "f32":
     CASES = [(64, torch.float32, [(64, c, None) for c in variants(32, 4, 1)]
               + [(64, C(64, 4, 1, True, True), None), (32, C(32, 4, 2, True, True), None), (64, C(32, 8, 1, True, True), None)]),
@@ -26,6 +31,17 @@ elif sys.argv[2] == "f32":
 else:
     CASES = [(64, torch.bfloat16, [(64, c, None) for c in variants(32, 4, 2)]),
              (8, torch.bfloat16, [(64, c, None) for c in variants(64, 4, 2)])]
+def kernel_times(fn, reps=5):
+    """Mean GPU time per call of each kernel the call launches (torch profiler), ms."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(); torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key[:40]: round(e.device_time_total / reps / 1e3, 4) for e in prof.key_averages() if e.device_time_total > 0}
+
+
 res = dict(rows=[])
 bw = copy_bandwidth(); res["bw"] = bw
 for heads, dtype, rows in CASES:
@@ -54,7 +70,9 @@ for heads, dtype, rows in CASES:
             ms2 = do_bench(fn, warmup=25, rep=150, return_mode="median")
         except Exception as exc:
             print(label, "FAILED", type(exc).__name__, str(exc)[:200], flush=True); continue
-        res["rows"].append(dict(label=label, ms=ms, ms2=ms2, err=err, state_err=serr))
-        print(f"{label}: {ms:.3f}/{ms2:.3f} ms floor {floor:.3f} err {err:.2e} state {serr:.2e} ({time.time()-t:.0f}s)", flush=True)
+        kernels = kernel_times(fn)
+        res["rows"].append(dict(label=label, ms=ms, ms2=ms2, err=err, state_err=serr, kernels=kernels))
+        print(f"{label}: {ms:.3f}/{ms2:.3f} ms floor {floor:.3f} err {err:.2e} state {serr:.2e} ({time.time()-t:.0f}s)"
+              f" kernels {kernels}", flush=True)
     del x; torch.cuda.empty_cache()
 json.dump(res, open(sys.argv[1], "w"), indent=1)

@@ -249,22 +249,24 @@ def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "heads, dtype, gluon_ok, want_gluon",
-    [(64, "float32", True, True), (32, "float32", True, True), (8, "float32", True, False),
-     (64, "bfloat16", True, False), (64, "float32", False, False)],
+    "heads, dtype, gluon_ok, want",
+    [(64, "float32", True, (64, 8, 1)), (32, "float32", True, (64, 8, 1)), (8, "float32", True, (64, 8, 1)),
+     (64, "bfloat16", True, (64, 4, 2)), (32, "bfloat16", True, (64, 4, 2)), (8, "bfloat16", True, None),
+     (64, "float32", False, None), (64, "bfloat16", False, None)],
 )
-def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dtype, gluon_ok, want_gluon):
+def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dtype, gluon_ok, want):
     from fastdeploy_ext.ops.lightning_attn.triton_kernels import _default_prefill_config
 
     cfg = _default_prefill_config(128, dtype, heads, 64, gluon_ok)
-    assert cfg.gluon is want_gluon
-    if want_gluon:
-        assert (cfg.block_v, cfg.num_warps) == (64, 8)
+    assert cfg.gluon is (want is not None)
+    if want is not None:
+        assert (cfg.block_v, cfg.num_warps, cfg.num_stages) == want
 
 
-@pytest.mark.parametrize("dtype, warps", [("float32", 8), ("float32", 4), ("bfloat16", 8)])
-def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps):
-    # A real ptxas compile for sm_90 (no GPU needed): catches layout/operand errors in the Hopper kernel on CPU CI.
+@pytest.mark.parametrize("dtype, warps, stages", [("float32", 8, 2), ("float32", 4, 2), ("bfloat16", 4, 2),
+                                                  ("bfloat16", 8, 3)])
+def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps, stages):
+    # A real ptxas compile for sm_90 (no GPU needed): catches layout/operand errors in the Hopper kernels on CPU CI.
     torch = pytest.importorskip("torch")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -274,17 +276,27 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps):
     from fastdeploy_ext.ops.lightning_attn import gluon_kernels as gk
 
     q = torch.zeros(256, 64, 128, dtype=getattr(torch, dtype))
-    q_d, k_d = gk.descriptors(q, q, 64)
-    args = {"q_desc": q_d, "k_desc": k_d, "v_ptr": q, "o_ptr": q, "slopes_ptr": torch.zeros(64),
-            "pool_ptr": torch.zeros(4), "buf_ptr": torch.zeros(4), "seg_ptr": torch.zeros(5, dtype=torch.int32),
+    args = {"v_ptr": q, "o_ptr": q, "slopes_ptr": torch.zeros(64), "pool_ptr": torch.zeros(4),
+            "buf_ptr": torch.zeros(4), "seg_ptr": torch.zeros(5, dtype=torch.int32),
             "slot_ids_ptr": torch.zeros(1, dtype=torch.int32), "num_slots": 4}
-    fn = gk._output_kernel
+    consts = {"H": 64, "D": 128, "BT": 64, "BV": 64, "num_warps": warps}
+    if dtype == "float32":
+        fn = gk._output_kernel
+        args["q_desc"], args["k_desc"] = gk.descriptors(q, q, 64)
+    else:
+        fn = gk._output_kernel_16
+        args["q_desc"], args["k_desc"], args["v_desc"] = gk.descriptors(q, q, 64, v=q, block_v=64)
+        consts["STAGES"] = stages
     signature = {name: mangle_type(args[name]) if name in args else "constexpr" for name in fn.arg_names}
-    constexprs = {(fn.arg_names.index(k),): v for k, v in {"H": 64, "D": 128, "BT": 64, "BV": 64, "num_warps": warps}.items()}
+    constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
     assert kernel.metadata.shared <= 232448, "over the H200's 227 KiB of shared memory per block"
-    assert "wgmma.mma_async" in kernel.asm["ptx"] and "cp.async.bulk.tensor" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    if dtype == "bfloat16":
+        # The copy-free kernel: 16-bit operands only, and v arrives by TMA too (three tensor loads per stage).
+        assert ".tf32" not in ptx and ptx.count("cp.async.bulk.tensor") >= 3
 
 
 def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):

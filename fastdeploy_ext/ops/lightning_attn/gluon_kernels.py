@@ -2,7 +2,8 @@
 
 Same job and segment table as ``triton_kernels._segment_output_kernel``: one program per (64-wide value tile,
 head, segment) walks its segment in 64-token chunks carrying the state. Triton's own schedule for that loop
-kept every float32 configuration at the 255-register cap with spills; here the schedule is explicit:
+kept every float32 configuration at the 255-register cap with spills; here the schedule is explicit
+(``_output_kernel``, float32 inputs):
 
 - q and k chunks arrive by TMA in a two-stage shared-memory ring (chunk ``c + 1`` in flight while ``c`` is
   computed); v is prefetched one chunk ahead into registers, which it needs anyway to be transposed.
@@ -15,9 +16,12 @@ kept every float32 configuration at the 255-register cap with spills; here the s
   operands in shared memory.
 - ``Q K^T``, ``Q S`` and the state update are issued together; ``P V`` follows once the scores are masked.
 
-H200, N = 32768, D = 128, float32 in/out (docs/benchmarks.md): 1.63 ms at H = 64 against 3.3 ms for the Triton
-kernel; no gain at H = 8 or for bf16 inputs, where the Triton kernel stays the default. IEEE mode always uses
-the Triton kernel. bf16 inputs here round the carried state to bf16 for ``Q S`` (2.7e-3 vs 2.4e-3 rel err).
+bf16 inputs go to ``_output_kernel_16``, which needs none of the copies (16-bit ``wgmma`` takes MN-major shared
+operands).
+
+H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.63 ms at H = 64 against 3.3 ms for the Triton
+kernel, 0.34 vs 0.48 ms at H = 8 (split into segments); bf16 in/out 1.11 vs 1.41 ms at H = 64, a tie at H = 8
+(the Triton kernel stays the default there). IEEE mode always uses the Triton kernel.
 """
 
 from triton.experimental import gluon
@@ -195,21 +199,167 @@ def _output_kernel(
         gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
 
 
-def descriptors(q, k, block_size):
-    """TMA descriptors over ``[T, H * D]`` views of q and k (torch tensors)."""
-    block = [block_size, q.shape[2]]
-    layout = _nvmma_shared(block, 32 if q.dtype.itemsize == 4 else 16)
-    flats = (t.view(t.shape[0], t.shape[1] * t.shape[2]) for t in (q, k))
-    return [TensorDescriptor(f, list(f.shape), [f.shape[1], 1], block, layout) for f in flats]
+@gluon.jit
+def _output_kernel_16(
+    q_desc,
+    k_desc,
+    v_desc,
+    o_ptr,
+    slopes_ptr,
+    pool_ptr,
+    buf_ptr,
+    seg_ptr,  # [n_segs, 5] int32: start, end, sequence, flags, buffer
+    slot_ids_ptr,
+    num_slots,
+    H: gl.constexpr,
+    D: gl.constexpr,
+    BT: gl.constexpr,
+    BV: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """bf16 inputs: 16-bit ``wgmma`` reads shared operands in either major order, so nothing is copied.
+
+    q, k and v arrive by TMA in a ``STAGES``-deep ring and are used where they land: ``V`` as the MN-major B
+    operand of ``P V``, ``K`` as that of the state update ``S^T <- lam^m S^T + (diag(kd) V)^T K``, whose A
+    operand is loaded transposed from the v tile into registers. ``Q S`` runs as two bf16 products on the
+    state split into ``hi + lo`` (16 significant bits, finer than TF32), double-buffered so that one barrier
+    per chunk orders everything: after it, every warp has finished the previous chunk.
+
+    Measured alternatives (docs/benchmarks.md): the untransposed state ``S [D, BV]`` (M = D) was 7 % slower at
+    BV = 64, and at BV = 32, two programs per SM, 20-50 % slower (every program reloads Q and K and recomputes
+    ``Q K^T``).
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    L_S: gl.constexpr = _mma_layout(BT, BT, num_warps, 16)
+    L_O: gl.constexpr = _mma_layout(BT, BV, num_warps, 16)
+    L_ST: gl.constexpr = _mma_layout(BV, D, num_warps, 16)
+    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
+    A_ST: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_ST, k_width=2)
+
+    i_v = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_s = gl.program_id(2)
+    start = gl.load(seg_ptr + i_s * 5)
+    end = gl.load(seg_ptr + i_s * 5 + 1)
+    slot = gl.load(slot_ids_ptr + gl.load(seg_ptr + i_s * 5 + 2)).to(gl.int64)
+    slot_ok = (slot >= 0) & (slot < num_slots)
+    flags = gl.load(seg_ptr + i_s * 5 + 3)
+    buf = gl.load(seg_ptr + i_s * 5 + 4).to(gl.int64)
+    neg_s = -gl.load(slopes_ptr + i_h)
+
+    st_v = gl.arange(0, BV, layout=gl.SliceLayout(1, L_ST))
+    st_k = gl.arange(0, D, layout=gl.SliceLayout(0, L_ST))
+    st_offs = st_k[None, :] * D + st_v[:, None]
+    if (flags & 2) != 0:
+        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+        state = gl.load(base + st_offs, mask=slot_ok & (st_v >= 0)[:, None], other=0.0)
+    else:
+        state = gl.load(buf_ptr + (buf * H + i_h) * D * D + i_v * BV + st_offs)
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], v_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    st_smem = gl.allocate_shared_memory(dtype, [4, BV, D], _shared([BV, D], 16))  # [buffer * 2 + (hi, lo)]
+
+    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
+    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
+    causal = s_rows[:, None] >= s_cols[None, :]
+    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
+    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
+    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    a_toks = gl.arange(0, BT, layout=gl.SliceLayout(0, A_ST))
+    col0 = i_h * D + i_v * BV
+
+    n_chunks = gl.cdiv(end - start, BT)
+    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        pre = i < n_chunks
+        mbarrier.expect(bars.index(i), nbytes, pred=pre)
+        tma.async_copy_global_to_shared(q_desc, [start + i * BT, i_h * D], bars.index(i), q_smem.index(i), pred=pre)
+        tma.async_copy_global_to_shared(k_desc, [start + i * BT, i_h * D], bars.index(i), k_smem.index(i), pred=pre)
+        tma.async_copy_global_to_shared(v_desc, [start + i * BT, col0], bars.index(i), v_smem.index(i), pred=pre)
+    for c in range(n_chunks):
+        stage = c % STAGES
+        t0 = start + c * BT
+        m = gl.minimum(end - t0, BT)
+        hi = state.to(dtype)
+        st_hi = st_smem.index(2 * (c % 2))
+        st_lo = st_smem.index(2 * (c % 2) + 1)
+        st_hi.store(hi)
+        st_lo.store((state - hi.to(gl.float32)).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        # Every warp is past chunk c - 1, so its stage can be refilled with chunk c + STAGES - 1.
+        nxt = (c + STAGES - 1) % STAGES
+        more = c + STAGES - 1 < n_chunks
+        t_next = t0 + (STAGES - 1) * BT
+        mbarrier.expect(bars.index(nxt), nbytes, pred=more)
+        tma.async_copy_global_to_shared(q_desc, [t_next, i_h * D], bars.index(nxt), q_smem.index(nxt), pred=more)
+        tma.async_copy_global_to_shared(k_desc, [t_next, i_h * D], bars.index(nxt), k_smem.index(nxt), pred=more)
+        tma.async_copy_global_to_shared(v_desc, [t_next, col0], bars.index(nxt), v_smem.index(nxt), pred=more)
+
+        mbarrier.wait(bars.index(stage), phase=(c // STAGES) & 1)
+        qs = q_smem.index(stage)
+        ks = k_smem.index(stage)
+        vs = v_smem.index(stage)
+        scores = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S), use_acc=False,
+                               is_async=True)
+        inter = warpgroup_mma(qs, st_hi.permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O), use_acc=False,
+                              is_async=True)
+        inter = warpgroup_mma(qs, st_lo.permute((1, 0)), inter, is_async=True)
+        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): the causal mask keeps
+        # them out of valid outputs and kd = 0 keeps them out of the state.
+        kd = gl.where(a_toks < m, gl.exp(neg_s * (m - 1 - a_toks).to(gl.float32)), 0.0)
+        vt = (vs.permute((1, 0)).load(A_ST).to(gl.float32) * kd[None, :]).to(dtype)
+        state = warpgroup_mma(vt, ks, state * gl.exp(neg_s * m.to(gl.float32)), is_async=True)
+        neg_s_m = neg_s + 0.0 * m.to(gl.float32)
+        intra = gl.where(causal, gl.exp(neg_s_m * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
+        scores, inter = warpgroup_mma_wait(num_outstanding=1, deps=(scores, inter))
+        p = gl.convert_layout((scores * intra).to(dtype), A_O)
+        o = warpgroup_mma(p, vs, inter * q_decay[:, None], is_async=True)
+        o, state = warpgroup_mma_wait(num_outstanding=0, deps=(o, state))
+
+        o_base = o_ptr + (t0.to(gl.int64) * (H * D) + col0)
+        gl.store(o_base + (o_rows[:, None] * (H * D) + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
+                 mask=(o_rows < m)[:, None])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    if (flags & 1) != 0:
+        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+        gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
+
+
+def descriptors(q, k, block_size, *, v=None, block_v=None):
+    """TMA descriptors over ``[T, H * D]`` views of q and k (and v in ``block_v``-wide tiles), torch tensors."""
+    bits = 32 if q.dtype.itemsize == 4 else 16
+    tiles = [(q, q.shape[2]), (k, k.shape[2])] + ([] if v is None else [(v, block_v)])
+    descs = []
+    for t, width in tiles:
+        flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+        block = [block_size, width]
+        descs.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], block, _nvmma_shared(block, bits)))
+    return descs
 
 
 def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, n_segs, *, block_size, block_v,
-                   num_warps=4):
-    q_d, k_d = descriptors(q, k, block_size)
+                   num_warps=4, stages=3):
     num_heads, head_dim = q.shape[1], q.shape[2]
-    _output_kernel[(head_dim // block_v, num_heads, n_segs)](
+    grid = (head_dim // block_v, num_heads, n_segs)
+    if q.dtype.itemsize == 2:
+        q_d, k_d, v_d = descriptors(q, k, block_size, v=v, block_v=block_v)
+        _output_kernel_16[grid](
+            q_d, k_d, v_d, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
+            H=num_heads, D=head_dim, BT=block_size, BV=block_v, STAGES=stages, num_warps=num_warps,
+        )
+        return out
+    q_d, k_d = descriptors(q, k, block_size)
+    _output_kernel[grid](
         q_d, k_d, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
         H=num_heads, D=head_dim, BT=block_size, BV=block_v, num_warps=num_warps,
     )
     return out
-

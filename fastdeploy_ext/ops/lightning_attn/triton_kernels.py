@@ -280,22 +280,25 @@ class LaunchConfig:
     num_stages: int = 1
     recompute_mask: bool = False  # prefill: rebuild the BT x BT decay mask every chunk (fewer live registers)
     fold_offsets: bool = False  # prefill: scalar int64 chunk base + int32 tile offsets instead of int64 per element
-    gluon: bool = False  # prefill, TF32 on Hopper: the hand-scheduled output kernel of gluon_kernels.py
+    gluon: bool = False  # prefill, TF32 on Hopper: the hand-scheduled output kernels of gluon_kernels.py
 
 
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False):
     """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
 
-    Many heads, float32 in TF32 mode on Hopper (``gluon_ok``): the Gluon kernel, BV = 64 with 8 warps (H = 64:
-    1.63 ms vs 3.3 ms); with few heads or bf16 inputs it measured no faster or slower, so Triton stays.
+    TF32 mode on Hopper (``gluon_ok``): the Gluon kernels, BV = 64. float32 inputs with 8 warps at any head
+    count (H = 64: 1.63 vs 3.3 ms; H = 8, split into segments: 0.34 vs 0.48 ms); bf16 inputs with 4 warps and
+    a two-stage ring for many heads (H = 64: 1.11 vs 1.41 ms), while at H = 8 Triton and Gluon tie (0.26 ms).
 
-    Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting sequences
-    (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
+    Triton otherwise. Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting
+    sequences (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
     Two pipeline stages pay off only for bf16 (fp32 tiles then exceed shared memory for occupancy);
     128-token chunks need one stage and 8 warps to fit shared memory at all.
     """
-    if gluon_ok and num_heads >= 32 and dtype_name == "float32":
+    if gluon_ok and dtype_name == "float32":
         return LaunchConfig(block_v=64, num_warps=8, gluon=True)
+    if gluon_ok and num_heads >= 32:
+        return LaunchConfig(block_v=64, num_warps=4, num_stages=2, gluon=True)
     block_v = min(head_dim, 32 if num_heads >= 32 else 64)
     if block_size >= 128:
         return LaunchConfig(block_v=block_v, num_warps=8, num_stages=1)
@@ -378,6 +381,9 @@ def lightning_attn_prefill(
             f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}, "
             f"num_warps={cfg.num_warps}"
         )
+    if cfg.gluon and _dtype_name(q) == "bfloat16" and cfg.num_stages not in (2, 3):
+        raise ValueError(f"launch_config.gluon with bfloat16 inputs needs num_stages 2 or 3 (TMA ring depth), "
+                         f"got {cfg.num_stages}")
 
     cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
     if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:
@@ -434,7 +440,8 @@ def lightning_attn_prefill(
         )
     if cfg.gluon:
         _gluon().prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, seg.shape[0],
-                                block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps)
+                                block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps,
+                                stages=cfg.num_stages)
         return out
     ops.launch(
         _segment_output_kernel,

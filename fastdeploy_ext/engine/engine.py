@@ -242,6 +242,9 @@ class LLMEngine:
             num_kv_blocks = max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, affordable))
         if tp == 1:
             self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+            if self.fd_config.load_config.device == "cpu":
+                sched = self.fd_config.scheduler_config
+                self.runner.warm_up(sched.max_num_batched_tokens, max_num_seqs, self.max_model_len)
         elif launched > 1:
             self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
         else:

@@ -334,3 +334,26 @@ def test_hf_native_refuses_a_stray_postnorm_false(tmp_path):
     assert MiniMaxM1Config.from_hf_config(dict(raw, postnorm=True)).postnorm is True
     with pytest.raises(ConfigError, match="postnorm=false.*always post-norm"):
         MiniMaxM1Config.from_hf_config(dict(raw, postnorm=False))
+
+
+def test_start_up_warm_up_leaves_no_trace(m1_dir, monkeypatch):
+    """The CPU engine's start-up dummy prefill fills the state pool and KV pages it will hand out; a batch
+    generated after it equals the same batch on an engine that skipped it: same tokens, logprobs within 1e-5
+    (MKL may round differently on differently aligned buffers; leftover state would be off by O(1))."""
+    from fastdeploy_ext.engine.model_runner import ModelRunner
+
+    prompts = prompts_of([1, 17, 255, 257], seed=41)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    warmed = LLM(model=m1_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=600, block_size=16)
+    runner = warmed.llm_engine.runner
+    assert all(float(np.abs(p.numpy()).max()) > 0 for p in runner.state_pool)
+    assert all(float(np.abs(k.numpy()).max()) > 0 for k, _ in runner.caches)
+    got = warmed.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda *a: None)
+    cold = LLM(model=m1_dir, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=600, block_size=16)
+    assert all(float(np.abs(p.numpy()).max()) == 0 for p in cold.llm_engine.runner.state_pool)
+    want = cold.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs.token_ids == b.outputs.token_ids
+        for x, y in zip(a.outputs.logprobs, b.outputs.logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) <= 1e-5 for t in x)

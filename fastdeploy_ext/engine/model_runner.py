@@ -130,8 +130,12 @@ class ModelRunner:
             fresh = [s.state_slot for s in ordered if s.start == 0]
             if fresh:
                 # A sequence starting at position 0 (new, or recomputing after preemption) starts from zero state.
+                # On CPU through NumPy: Paddle's indexed assignment took 4 ms per layer for 32 slots.
                 for pool in self.state_pool:
-                    pool[paddle.to_tensor(fresh)] = 0.0
+                    if pool.place.is_cpu_place():
+                        np.from_dlpack(pool)[fresh] = 0.0
+                    else:
+                        pool[paddle.to_tensor(fresh)] = 0.0
 
         rows, sample_at, prompt_at = [], {}, {}
         for b, s in enumerate(ordered):

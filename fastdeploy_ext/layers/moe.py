@@ -134,6 +134,8 @@ class FusedMoE(nn.Layer):
         # busiest expert's count and runs each projection as one batched matmul over the stacked weights.
         # Otherwise segments are exact and each expert with rows gets its own matmul: a large batch is
         # compute-bound (padding would be wasted work), and a batch that skips experts must not read them.
+        # Packed experts always take exact segments: padding paid for fewer calls, and a call against a packed
+        # weight costs no repacking.
         host_x = _host(x.contiguous()) if self._packed is not None and x.dtype == paddle.float32 else None
         batched = (host_x is None and self.quant_method is None and bool(np.all(counts))
                    and cap * num_experts <= t * k + _MAX_PAD_ROWS)

@@ -201,7 +201,7 @@ def test_prefill_gluon_segmented(segment_len):
     check_prefill(c, out, pool, TF32_TOL, per_block=True)
 
 
-GLUON16 = {f"w{w}s{st}": LaunchConfig(64, w, st, gluon=True) for w in (4, 8) for st in (2, 3)}
+GLUON16 = {f"s{st}": LaunchConfig(64, 4, st, gluon=True) for st in (2, 3)}
 
 
 @needs_hopper
@@ -219,17 +219,28 @@ def test_prefill_gluon_bf16_inputs(name, cfg):
 @pytest.mark.parametrize("segment_len", [1024, 4096])
 def test_prefill_gluon_bf16_segmented(segment_len):
     c = case("h8_n32768", torch.bfloat16)
-    out, pool = run_prefill(c, launch_config=GLUON16["w4s2"], segment_len=segment_len)
+    out, pool = run_prefill(c, launch_config=GLUON16["s3"], segment_len=segment_len)
     check_prefill(c, out, pool, BF16_TOL, per_block=True)
-    again, _ = run_prefill(c, launch_config=GLUON16["w4s2"], segment_len=segment_len)
+    again, _ = run_prefill(c, launch_config=GLUON16["s3"], segment_len=segment_len)
     assert torch.equal(out, again)  # repeated runs bit-identical (no race)
 
 
 @needs_hopper
-def test_prefill_gluon_bf16_needs_a_ring():
+@pytest.mark.parametrize("warps, stages", [(4, 1), (8, 3)])
+def test_prefill_gluon_bf16_rejects_other_launches(warps, stages):
     c = case("h64_varlen", torch.bfloat16)
-    with pytest.raises(ValueError, match="num_stages 2 or 3"):
-        run_prefill(c, launch_config=LaunchConfig(64, 8, 1, gluon=True))
+    with pytest.raises(ValueError, match="num_warps 4 .* num_stages 2 or 3"):
+        run_prefill(c, launch_config=LaunchConfig(64, warps, stages, gluon=True))
+
+
+@needs_hopper
+def test_default_prefill_picks_the_bf16_gluon_kernel_for_many_heads():
+    c = case("h64_varlen", torch.bfloat16)
+    out_default, pool_default = run_prefill(c)
+    out_gluon, pool_gluon = run_prefill(c, launch_config=GLUON16["s3"])
+    assert torch.equal(out_default, out_gluon) and torch.equal(pool_default, pool_gluon)
+    out_b, pool_b = run_prefill(c)
+    assert torch.equal(out_default, out_b) and torch.equal(pool_default, pool_b)  # bit-identical reruns: no race
 
 
 @needs_hopper

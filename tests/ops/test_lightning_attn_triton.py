@@ -249,22 +249,23 @@ def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "heads, dtype, gluon_ok, want",
-    [(64, "float32", True, (64, 8, 1)), (32, "float32", True, (64, 8, 1)), (8, "float32", True, (64, 8, 1)),
-     (64, "bfloat16", True, (64, 4, 2)), (32, "bfloat16", True, (64, 4, 2)), (8, "bfloat16", True, None),
-     (64, "float32", False, None), (64, "bfloat16", False, None)],
+    "heads, dtype, gluon_ok, tokens, want",
+    [(64, "float32", True, 1, (64, 8, 1)), (32, "float32", True, 4096, (64, 8, 1)),
+     (8, "float32", True, 32768, (64, 8, 1)), (8, "float32", True, 16384, (64, 8, 1)), (8, "float32", True, 4096, None),
+     (64, "bfloat16", True, 1, (64, 4, 3)), (32, "bfloat16", True, 32768, (64, 4, 3)),
+     (8, "bfloat16", True, 32768, None), (64, "float32", False, 32768, None), (64, "bfloat16", False, 32768, None)],
 )
-def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dtype, gluon_ok, want):
+def test_default_prefill_config_uses_gluon_only_where_measured_faster(heads, dtype, gluon_ok, tokens, want):
     from fastdeploy_ext.ops.lightning_attn.triton_kernels import _default_prefill_config
 
-    cfg = _default_prefill_config(128, dtype, heads, 64, gluon_ok)
+    cfg = _default_prefill_config(128, dtype, heads, 64, gluon_ok, tokens)
     assert cfg.gluon is (want is not None)
     if want is not None:
         assert (cfg.block_v, cfg.num_warps, cfg.num_stages) == want
 
 
-@pytest.mark.parametrize("dtype, warps, stages", [("float32", 8, 2), ("float32", 4, 2), ("bfloat16", 4, 2),
-                                                  ("bfloat16", 8, 3)])
+@pytest.mark.parametrize("dtype, warps, stages", [("float32", 8, 2), ("float32", 4, 2), ("bfloat16", 4, 3),
+                                                  ("bfloat16", 4, 2)])
 def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps, stages):
     # A real ptxas compile for sm_90 (no GPU needed): catches layout/operand errors in the Hopper kernels on CPU CI.
     torch = pytest.importorskip("torch")
@@ -284,8 +285,9 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps, stage
         fn = gk._output_kernel
         args["q_desc"], args["k_desc"] = gk.descriptors(q, q, 64)
     else:
-        fn = gk._output_kernel_16
-        args["q_desc"], args["k_desc"], args["v_desc"] = gk.descriptors(q, q, 64, v=q, block_v=64)
+        fn = gk._output_kernel_ws
+        args["q_desc"], args["k_desc"], args["v_desc"], args["o_desc"] = gk.descriptors(q, q, 64, v=q, block_v=64,
+                                                                                        out=q)
         consts["STAGES"] = stages
     signature = {name: mangle_type(args[name]) if name in args else "constexpr" for name in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in consts.items()}
@@ -295,8 +297,12 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(dtype, warps, stage
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     if dtype == "bfloat16":
-        # The copy-free kernel: 16-bit operands only, and v arrives by TMA too (three tensor loads per stage).
-        assert ".tf32" not in ptx and ptx.count("cp.async.bulk.tensor") >= 3
+        # The copy-free kernel: 16-bit operands only; q, k, v arrive and full output chunks leave by TMA; the
+        # partitions rebalance registers (setmaxnreg) and sync on named barriers of their own 128 threads.
+        assert ".tf32" not in ptx
+        assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") >= 3
+        assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+        assert "setmaxnreg" in ptx and "bar.sync \t0, 128" in ptx
 
 
 def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):

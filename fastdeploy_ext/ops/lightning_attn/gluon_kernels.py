@@ -16,12 +16,14 @@ kept every float32 configuration at the 255-register cap with spills; here the s
   operands in shared memory.
 - ``Q K^T``, ``Q S`` and the state update are issued together; ``P V`` follows once the scores are masked.
 
-bf16 inputs go to ``_output_kernel_16``, which needs none of the copies (16-bit ``wgmma`` takes MN-major shared
-operands).
+bf16 inputs go to ``_output_kernel_ws``, which needs none of the copies (16-bit ``wgmma`` takes MN-major shared
+operands) and is warp-specialised: a TMA warp fills a three-stage ring with q, k and v; a state warpgroup runs
+only the recurrence and publishes each chunk's starting state; the default warpgroup computes the output and
+stores full chunks by TMA.
 
 H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.63 ms at H = 64 against 3.3 ms for the Triton
-kernel, 0.34 vs 0.48 ms at H = 8 (split into segments); bf16 in/out 1.11 vs 1.41 ms at H = 64, a tie at H = 8
-(the Triton kernel stays the default there). IEEE mode always uses the Triton kernel.
+kernel, 0.34 vs 0.48 ms at H = 8 (split into segments); bf16 in/out 0.80 vs 1.41 ms at H = 64. At H = 8 with bf16
+the Triton kernel stays the default. IEEE mode always uses the Triton kernel.
 """
 
 from triton.experimental import gluon
@@ -199,11 +201,129 @@ def _output_kernel(
         gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
 
 
+# Partitions of the warp-specialised bf16 kernel. Triton 3.6 hands worker partitions no constexprs (they
+# arrive as values) and requires one signature for all of them, so both workers take the same arguments and
+# read their tile shapes off the shared buffers.
 @gluon.jit
-def _output_kernel_16(
+def _ws_output(q_smem, k_smem, v_smem, st_smem, o_smem, ready, empty, st_ready, st_free, o_desc, o_ptr, start, end,
+               n_chunks, neg_s, col0, row_stride):
+    # Default partition: Q K^T, Q S_prev (from the state partition's hi/lo copy), P V and the output.
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    BV: gl.constexpr = v_smem.type.shape[2]
+    L_S: gl.constexpr = _mma_layout(BT, BT, gl.num_warps(), 16)
+    L_O: gl.constexpr = _mma_layout(BT, BV, gl.num_warps(), 16)
+    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
+    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
+    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
+    # Held in registers across the loop: this warpgroup has them to spare (setmaxnreg gives it 248).
+    intra = gl.where(s_rows[:, None] >= s_cols[None, :],
+                     gl.exp(neg_s * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
+    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
+    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
+    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    for c in range(n_chunks):
+        stage = c % STAGES
+        b = c % 2
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        qs = q_smem.index(stage)
+        scores = warpgroup_mma(qs, k_smem.index(stage).permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S),
+                               use_acc=False, is_async=True)
+        mbarrier.wait(st_ready.index(b), (c // 2) & 1)
+        inter = warpgroup_mma(qs, st_smem.index(2 * b).permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O),
+                              use_acc=False, is_async=True)
+        inter = warpgroup_mma(qs, st_smem.index(2 * b + 1).permute((1, 0)), inter, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=2, deps=(scores,))
+        p = gl.convert_layout((scores * intra).to(dtype), A_O)
+        inter = warpgroup_mma_wait(num_outstanding=0, deps=(inter,))
+        gl.thread_barrier()
+        mbarrier.arrive(st_free.index(b))
+        o = warpgroup_mma(p, v_smem.index(stage), inter * q_decay[:, None])
+        tma.store_wait(1)  # the output buffer of chunk c - 2 has been read out
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(stage))
+        t0 = start + c * BT
+        if end - t0 >= BT:
+            # A full chunk leaves through shared memory and TMA in whole lines (register stores filled half of
+            # each 32-byte sector: 0.98 -> 0.79 ms at H = 64). A partial last chunk is stored masked, since a
+            # TMA box would overwrite the next sequence's rows.
+            ob = o_smem.index(b)
+            ob.store(o.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [t0, col0], ob)
+        else:
+            o_base = o_ptr + (t0.to(gl.int64) * row_stride + col0)
+            gl.store(o_base + (o_rows[:, None] * row_stride + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
+                     mask=(o_rows < end - t0)[:, None])
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, st_smem, ready, empty, st_ready, st_free, start, end,
+             n_chunks, neg_s, col_q, col0, state_in, state_out, read_ok, write_ok):
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes
+    for c in range(n_chunks):
+        stage = c % STAGES
+        mbarrier.wait(empty.index(stage), ((c // STAGES) & 1) ^ 1)
+        t0 = start + c * BT
+        mbarrier.expect(ready.index(stage), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [t0, col_q], ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [t0, col_q], ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [t0, col0], ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_state(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, st_smem, ready, empty, st_ready, st_free, start, end,
+              n_chunks, neg_s, col_q, col0, state_in, state_out, read_ok, write_ok):
+    # The recurrence S^T <- lam^m S^T + (diag(kd) V)^T K, publishing each chunk's starting state as bf16 hi + lo.
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    D: gl.constexpr = q_smem.type.shape[2]
+    BV: gl.constexpr = v_smem.type.shape[2]
+    L_ST: gl.constexpr = _mma_layout(BV, D, gl.num_warps(), 16)
+    A_ST: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_ST, k_width=2)
+    st_v = gl.arange(0, BV, layout=gl.SliceLayout(1, L_ST))
+    st_k = gl.arange(0, D, layout=gl.SliceLayout(0, L_ST))
+    st_offs = st_k[None, :] * D + st_v[:, None]
+    state = gl.load(state_in + st_offs, mask=read_ok & (st_v >= 0)[:, None], other=0.0)
+    a_toks = gl.arange(0, BT, layout=gl.SliceLayout(0, A_ST))
+    for c in range(n_chunks):
+        stage = c % STAGES
+        b = c % 2
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        m = gl.minimum(end - (start + c * BT), BT)
+        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): kd = 0 keeps them out.
+        kd = gl.where(a_toks < m, gl.exp(neg_s * (m - 1 - a_toks).to(gl.float32)), 0.0)
+        vt = (v_smem.index(stage).permute((1, 0)).load(A_ST).to(gl.float32) * kd[None, :]).to(dtype)
+        # S_{c+1} is computed into a scaled copy while S_c, still in registers, is published: the copy-out
+        # stays off the recurrence's critical path.
+        nxt = warpgroup_mma(vt, k_smem.index(stage), state * gl.exp(neg_s * m.to(gl.float32)), is_async=True)
+        mbarrier.wait(st_free.index(b), ((c // 2) & 1) ^ 1)
+        hi = state.to(dtype)
+        st_smem.index(2 * b).store(hi)
+        st_smem.index(2 * b + 1).store((state - hi.to(gl.float32)).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(st_ready.index(b))
+        state = warpgroup_mma_wait(num_outstanding=0, deps=(nxt,))
+        # The v tile was read through the generic proxy; order that before the next TMA write into the stage.
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(stage))
+    gl.store(state_out + st_offs, state, mask=write_ok & (st_v >= 0)[:, None])
+
+
+@gluon.jit
+def _output_kernel_ws(
     q_desc,
     k_desc,
     v_desc,
+    o_desc,
     o_ptr,
     slopes_ptr,
     pool_ptr,
@@ -218,25 +338,23 @@ def _output_kernel_16(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """bf16 inputs: 16-bit ``wgmma`` reads shared operands in either major order, so nothing is copied.
+    """bf16 inputs, warp-specialised; same job and segment table as ``_output_kernel``.
 
-    q, k and v arrive by TMA in a ``STAGES``-deep ring and are used where they land: ``V`` as the MN-major B
-    operand of ``P V``, ``K`` as that of the state update ``S^T <- lam^m S^T + (diag(kd) V)^T K``, whose A
-    operand is loaded transposed from the v tile into registers. ``Q S`` runs as two bf16 products on the
-    state split into ``hi + lo`` (16 significant bits, finer than TF32), double-buffered so that one barrier
-    per chunk orders everything: after it, every warp has finished the previous chunk.
+    No copies: q, k and v are used where TMA lands them (``V`` as the MN-major B operand of ``P V``, ``K`` as
+    that of the state update ``S^T <- lam^m S^T + (diag(kd) V)^T K``, whose A operand is loaded transposed from
+    the v tile into registers). ``Q S`` runs as two bf16 products on the state split into ``hi + lo`` (16
+    significant bits, finer than TF32), double-buffered by chunk parity.
 
-    Measured alternatives (docs/benchmarks.md): the untransposed state ``S [D, BV]`` (M = D) was 7 % slower at
-    BV = 64, and at BV = 32, two programs per SM, 20-50 % slower (every program reloads Q and K and recomputes
-    ``Q K^T``).
+    Three partitions (``num_warps`` = 4 for the default one), synchronised by mbarriers only: ``ready``/``empty``
+    per ring stage (a stage is refilled once the state and output warpgroups both released it), ``st_ready``/
+    ``st_free`` per hi/lo buffer. H200, H = 64, N = 32768: one warpgroup doing all of it 1.11 ms; split into
+    state and output warpgroups 1.01; with the state's copy-out overlapping its next product 0.98; with TMA
+    output stores 0.79-0.81; with the decay mask held in registers 0.80 (bench). Tried and dropped: two output
+    warpgroups on alternate chunks (1.59 ms), Q loaded into registers once for both of its products (no gain),
+    a two-stage ring (0.83 ms). A bf16 state without the lo half was 8 % faster but at 2.7e-3 relative error
+    against the 3e-3 bound.
     """
     dtype: gl.constexpr = q_desc.dtype
-    L_S: gl.constexpr = _mma_layout(BT, BT, num_warps, 16)
-    L_O: gl.constexpr = _mma_layout(BT, BV, num_warps, 16)
-    L_ST: gl.constexpr = _mma_layout(BV, D, num_warps, 16)
-    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
-    A_ST: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_ST, k_width=2)
-
     i_v = gl.program_id(0)
     i_h = gl.program_id(1)
     i_s = gl.program_id(2)
@@ -247,97 +365,43 @@ def _output_kernel_16(
     flags = gl.load(seg_ptr + i_s * 5 + 3)
     buf = gl.load(seg_ptr + i_s * 5 + 4).to(gl.int64)
     neg_s = -gl.load(slopes_ptr + i_h)
-
-    st_v = gl.arange(0, BV, layout=gl.SliceLayout(1, L_ST))
-    st_k = gl.arange(0, D, layout=gl.SliceLayout(0, L_ST))
-    st_offs = st_k[None, :] * D + st_v[:, None]
-    if (flags & 2) != 0:
-        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
-        state = gl.load(base + st_offs, mask=slot_ok & (st_v >= 0)[:, None], other=0.0)
-    else:
-        state = gl.load(buf_ptr + (buf * H + i_h) * D * D + i_v * BV + st_offs)
+    from_pool = (flags & 2) != 0
+    pool_at = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+    # First segment of a sequence: starts from the pool; later ones from the scan buffer. Last: ends in the pool.
+    state_in = gl.where(from_pool, pool_at, buf_ptr + (buf * H + i_h) * D * D + i_v * BV)
+    read_ok = slot_ok | (not from_pool)
+    write_ok = ((flags & 1) != 0) & slot_ok
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, BV], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    st_smem = gl.allocate_shared_memory(dtype, [4, BV, D], _shared([BV, D], 16))  # [chunk parity * 2 + (hi, lo)]
+    o_smem = gl.allocate_shared_memory(dtype, [2, BT, BV], o_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    st_smem = gl.allocate_shared_memory(dtype, [4, BV, D], _shared([BV, D], 16))  # [buffer * 2 + (hi, lo)]
-
-    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
-    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
-    causal = s_rows[:, None] >= s_cols[None, :]
-    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
-    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
-    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
-    a_toks = gl.arange(0, BT, layout=gl.SliceLayout(0, A_ST))
-    col0 = i_h * D + i_v * BV
-
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by the state warpgroup and the chunk's output warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(st_ready.index(i), count=1)
+        mbarrier.init(st_free.index(i), count=1)
     n_chunks = gl.cdiv(end - start, BT)
-    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes + v_desc.block_type.nbytes
-    for i in gl.static_range(STAGES - 1):
-        pre = i < n_chunks
-        mbarrier.expect(bars.index(i), nbytes, pred=pre)
-        tma.async_copy_global_to_shared(q_desc, [start + i * BT, i_h * D], bars.index(i), q_smem.index(i), pred=pre)
-        tma.async_copy_global_to_shared(k_desc, [start + i * BT, i_h * D], bars.index(i), k_smem.index(i), pred=pre)
-        tma.async_copy_global_to_shared(v_desc, [start + i * BT, col0], bars.index(i), v_smem.index(i), pred=pre)
-    for c in range(n_chunks):
-        stage = c % STAGES
-        t0 = start + c * BT
-        m = gl.minimum(end - t0, BT)
-        hi = state.to(dtype)
-        st_hi = st_smem.index(2 * (c % 2))
-        st_lo = st_smem.index(2 * (c % 2) + 1)
-        st_hi.store(hi)
-        st_lo.store((state - hi.to(gl.float32)).to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        # Every warp is past chunk c - 1, so its stage can be refilled with chunk c + STAGES - 1.
-        nxt = (c + STAGES - 1) % STAGES
-        more = c + STAGES - 1 < n_chunks
-        t_next = t0 + (STAGES - 1) * BT
-        mbarrier.expect(bars.index(nxt), nbytes, pred=more)
-        tma.async_copy_global_to_shared(q_desc, [t_next, i_h * D], bars.index(nxt), q_smem.index(nxt), pred=more)
-        tma.async_copy_global_to_shared(k_desc, [t_next, i_h * D], bars.index(nxt), k_smem.index(nxt), pred=more)
-        tma.async_copy_global_to_shared(v_desc, [t_next, col0], bars.index(nxt), v_smem.index(nxt), pred=more)
-
-        mbarrier.wait(bars.index(stage), phase=(c // STAGES) & 1)
-        qs = q_smem.index(stage)
-        ks = k_smem.index(stage)
-        vs = v_smem.index(stage)
-        scores = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S), use_acc=False,
-                               is_async=True)
-        inter = warpgroup_mma(qs, st_hi.permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O), use_acc=False,
-                              is_async=True)
-        inter = warpgroup_mma(qs, st_lo.permute((1, 0)), inter, is_async=True)
-        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): the causal mask keeps
-        # them out of valid outputs and kd = 0 keeps them out of the state.
-        kd = gl.where(a_toks < m, gl.exp(neg_s * (m - 1 - a_toks).to(gl.float32)), 0.0)
-        vt = (vs.permute((1, 0)).load(A_ST).to(gl.float32) * kd[None, :]).to(dtype)
-        state = warpgroup_mma(vt, ks, state * gl.exp(neg_s * m.to(gl.float32)), is_async=True)
-        neg_s_m = neg_s + 0.0 * m.to(gl.float32)
-        intra = gl.where(causal, gl.exp(neg_s_m * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
-        scores, inter = warpgroup_mma_wait(num_outstanding=1, deps=(scores, inter))
-        p = gl.convert_layout((scores * intra).to(dtype), A_O)
-        o = warpgroup_mma(p, vs, inter * q_decay[:, None], is_async=True)
-        o, state = warpgroup_mma_wait(num_outstanding=0, deps=(o, state))
-
-        o_base = o_ptr + (t0.to(gl.int64) * (H * D) + col0)
-        gl.store(o_base + (o_rows[:, None] * (H * D) + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
-                 mask=(o_rows < m)[:, None])
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    if (flags & 1) != 0:
-        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
-        gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
+    work = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, st_smem, ready, empty, st_ready, st_free, start, end,
+            n_chunks, neg_s, i_h * D, i_h * D + i_v * BV, state_in, pool_at, read_ok, write_ok)
+    gl.warp_specialize([
+        (_ws_output, (q_smem, k_smem, v_smem, st_smem, o_smem, ready, empty, st_ready, st_free, o_desc, o_ptr, start,
+                      end, n_chunks, neg_s, i_h * D + i_v * BV, H * D)),
+        (_ws_load, work),
+        (_ws_state, work),
+    ], [1, 4], [24, 232])
 
 
-def descriptors(q, k, block_size, *, v=None, block_v=None):
-    """TMA descriptors over ``[T, H * D]`` views of q and k (and v in ``block_v``-wide tiles), torch tensors."""
+def descriptors(q, k, block_size, *, v=None, block_v=None, out=None):
+    """TMA descriptors over ``[T, H * D]`` views of q and k (and v, out in ``block_v``-wide tiles), torch tensors."""
     bits = 32 if q.dtype.itemsize == 4 else 16
-    tiles = [(q, q.shape[2]), (k, k.shape[2])] + ([] if v is None else [(v, block_v)])
+    tiles = [(q, q.shape[2]), (k, k.shape[2])] + [(t, block_v) for t in (v, out) if t is not None]
     descs = []
     for t, width in tiles:
         flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
@@ -351,9 +415,9 @@ def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_s
     num_heads, head_dim = q.shape[1], q.shape[2]
     grid = (head_dim // block_v, num_heads, n_segs)
     if q.dtype.itemsize == 2:
-        q_d, k_d, v_d = descriptors(q, k, block_size, v=v, block_v=block_v)
-        _output_kernel_16[grid](
-            q_d, k_d, v_d, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
+        q_d, k_d, v_d, o_d = descriptors(q, k, block_size, v=v, block_v=block_v, out=out)
+        _output_kernel_ws[grid](
+            q_d, k_d, v_d, o_d, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
             H=num_heads, D=head_dim, BT=block_size, BV=block_v, STAGES=stages, num_warps=num_warps,
         )
         return out

@@ -283,22 +283,30 @@ class LaunchConfig:
     gluon: bool = False  # prefill, TF32 on Hopper: the hand-scheduled output kernels of gluon_kernels.py
 
 
-def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False):
+# Few heads need split sequences (three launches); for short batches the Gluon launch's host cost outweighs its
+# faster kernel: H = 8, N = 4096: 0.31 ms eager vs 0.17 for Triton (CUDA graph 0.10 vs 0.16); N = 32768: 0.34 vs
+# 0.48. The cut lies between those two measured points.
+_GLUON_FEW_HEADS_MIN_TOKENS = 16384
+
+
+def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False, total_tokens=None):
     """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
 
-    TF32 mode on Hopper (``gluon_ok``): the Gluon kernels, BV = 64. float32 inputs with 8 warps at any head
-    count (H = 64: 1.63 vs 3.3 ms; H = 8, split into segments: 0.34 vs 0.48 ms); bf16 inputs with 4 warps and
-    a two-stage ring for many heads (H = 64: 1.11 vs 1.41 ms), while at H = 8 Triton and Gluon tie (0.26 ms).
+    TF32 mode on Hopper (``gluon_ok``): the Gluon kernels, BV = 64. float32 inputs with 8 warps (H = 64: 1.64 vs
+    3.3 ms; H = 8, split into segments, from ``_GLUON_FEW_HEADS_MIN_TOKENS`` tokens on: 0.34 vs 0.48 ms); bf16
+    inputs, many heads: the warp-specialised kernel with a three-stage ring (H = 64: 0.80 vs 1.41 ms). bf16 at
+    H = 8 stays on Triton (0.26 ms; the Gluon kernels tied there before the warp-specialised one).
 
     Triton otherwise. Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting
     sequences (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
     Two pipeline stages pay off only for bf16 (fp32 tiles then exceed shared memory for occupancy);
     128-token chunks need one stage and 8 warps to fit shared memory at all.
     """
-    if gluon_ok and dtype_name == "float32":
+    few_heads_short = num_heads < 32 and (total_tokens or 0) < _GLUON_FEW_HEADS_MIN_TOKENS
+    if gluon_ok and dtype_name == "float32" and not few_heads_short:
         return LaunchConfig(block_v=64, num_warps=8, gluon=True)
     if gluon_ok and num_heads >= 32:
-        return LaunchConfig(block_v=64, num_warps=4, num_stages=2, gluon=True)
+        return LaunchConfig(block_v=64, num_warps=4, num_stages=3, gluon=True)
     block_v = min(head_dim, 32 if num_heads >= 32 else 64)
     if block_size >= 128:
         return LaunchConfig(block_v=block_v, num_warps=8, num_stages=1)
@@ -372,7 +380,7 @@ def lightning_attn_prefill(
     _check_precision(precision)
     out = _check_or_make_out(ops, out, q, (total, num_heads, head_dim))
     gluon_ok = precision == "tf32" and ops.is_hopper(q) and _gluon().supports(head_dim, block_size, _dtype_name(q))
-    cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size, gluon_ok)
+    cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size, gluon_ok, total)
     _check_block_v(cfg, head_dim)
     if cfg.gluon and not (gluon_ok and cfg.block_v == 64 and cfg.num_warps in (4, 8)):
         raise ValueError(
@@ -381,9 +389,9 @@ def lightning_attn_prefill(
             f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}, "
             f"num_warps={cfg.num_warps}"
         )
-    if cfg.gluon and _dtype_name(q) == "bfloat16" and cfg.num_stages not in (2, 3):
-        raise ValueError(f"launch_config.gluon with bfloat16 inputs needs num_stages 2 or 3 (TMA ring depth), "
-                         f"got {cfg.num_stages}")
+    if cfg.gluon and _dtype_name(q) == "bfloat16" and (cfg.num_stages not in (2, 3) or cfg.num_warps != 4):
+        raise ValueError(f"launch_config.gluon with bfloat16 inputs needs num_warps 4 (the output warpgroup) and "
+                         f"num_stages 2 or 3 (TMA ring depth), got {cfg.num_warps} and {cfg.num_stages}")
 
     cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
     if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:

@@ -22,6 +22,8 @@ from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from fastdeploy_ext.layers.linear import ColumnParallelLinear, RowParallelLinear
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
+from fastdeploy_ext.ops.host_threads import HOST_MIN_ROWS, chunks, run_parallel, split
+from fastdeploy_ext.ops.lightning_attn import reference
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -57,19 +59,27 @@ class LinearAttentionMetadata:
     prefill_cu_seqlens: paddle.Tensor | None  # [Bp + 1] int32, relative to token num_decode
     prefill_slots: paddle.Tensor | None  # [Bp] int32
     prefill_cu_seqlens_cpu: np.ndarray | None  # host copy: the GPU prefill plans its launch without a device sync
+    # int64 host copies for the CPU path, which calls the reference op's unchecked host functions: the
+    # slots are checked once here instead of once per layer (the checks cost ~0.25 ms per layer in decode).
+    slots_cpu: np.ndarray
+    prefill_cu_seqlens_cpu64: np.ndarray | None
 
     @classmethod
     def from_forward_meta(cls, forward_meta) -> "LinearAttentionMetadata":
-        slots = np.asarray(forward_meta.slot_ids, np.int32)
+        slots64 = np.asarray(forward_meta.slot_ids, np.int64)
+        if np.any(slots64 < 0) or np.unique(slots64).shape[0] != slots64.shape[0]:
+            raise ValueError(f"state slots must be distinct and non-negative, got {slots64.tolist()}")
+        slots = slots64.astype(np.int32)
         cu = np.asarray(forward_meta.cu_seqlens_q, np.int64)
         nd = int(forward_meta.num_decode)
         decode = paddle.to_tensor(slots[:nd]) if nd else None
-        prefill_cu = prefill_slots = cu_host = None
+        prefill_cu = prefill_slots = cu_host = cu64 = None
         if nd < len(slots):
-            cu_host = (cu[nd:] - cu[nd]).astype(np.int32)
+            cu64 = cu[nd:] - cu[nd]
+            cu_host = cu64.astype(np.int32)
             prefill_cu = paddle.to_tensor(cu_host)
             prefill_slots = paddle.to_tensor(slots[nd:])
-        return cls(nd, decode, prefill_cu, prefill_slots, cu_host)
+        return cls(nd, decode, prefill_cu, prefill_slots, cu_host, slots64, cu64)
 
 
 def select_lightning_ops(block_size: int):
@@ -84,8 +94,6 @@ def select_lightning_ops(block_size: int):
                                                          cu_seqlens_cpu=cu_seqlens_cpu)
 
         return prefill_gpu, triton_kernels.lightning_attn_decode
-    from fastdeploy_ext.ops.lightning_attn import reference
-
     def prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):
         return reference.lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, block_size=block_size)
 
@@ -123,6 +131,8 @@ class LinearAttention(nn.Layer):
         head0 = self.tp_rank * self.heads_per_rank
         slopes = lightning_slopes(num_heads, layer_id, num_layers)[head0:head0 + self.heads_per_rank]
         self.register_buffer("slopes", paddle.to_tensor(slopes.astype(np.float32)), persistable=False)
+        self.block_size = block_size
+        self._decay_host = reference.decay(slopes.astype(np.float32))
         self._prefill_op, self._decode_op = select_lightning_ops(block_size)
 
     def _norm_weight_loader(self, param, loaded_weight, shard_id=None):
@@ -137,8 +147,11 @@ class LinearAttention(nn.Layer):
         """``hidden`` ``[T, hidden]`` (input-norm output) → ``[T, hidden]``."""
         t, h, d = hidden.shape[0], self.heads_per_rank, self.head_dim
         # fp32 from the activation on: the recurrence accumulates hundreds of k^T v terms (spec §6).
-        q, k, v = _silu_split(self.qkv_proj(hidden).astype("float32").reshape([t, h, 3 * d]))
+        qkv = self.qkv_proj(hidden).astype("float32")
         pool = forward_meta.state_pool[self.state_index]
+        if pool.place.is_cpu_place():
+            return self._forward_host(hidden, _host(qkv).reshape(t, h, 3 * d), np.from_dlpack(pool), meta)
+        q, k, v = (x.contiguous() for x in paddle.split(nn.functional.silu(qkv.reshape([t, h, 3 * d])), 3, axis=-1))
         nd = meta.num_decode
         parts = []
         if nd:
@@ -150,46 +163,75 @@ class LinearAttention(nn.Layer):
         z = self._tp_rms_norm_gate(y, self.output_gate(hidden).astype("float32"))
         return self.out_proj(z.astype(hidden.dtype))
 
+    def _forward_host(self, hidden: paddle.Tensor, qkv: np.ndarray, pool: np.ndarray,
+                      meta: LinearAttentionMetadata) -> paddle.Tensor:
+        """The CPU path: NumPy from the qkv projection to the output projection's input, on the reference op's
+        host functions (the op's checks ran once per step in ``meta``). q, k and v are strided views of one
+        silu pass over ``[T, H, 3D]``: the prefill op reads them ~10% slower than contiguous ones, but
+        writing three contiguous outputs from strided slices cost the silu more than that."""
+        t, h, d = qkv.shape[0], self.heads_per_rank, self.head_dim
+        act = silu_host(qkv.reshape(t, 3 * h * d)).reshape(t, h, 3 * d)
+        q, k, v = act[..., :d], act[..., d:2 * d], act[..., 2 * d:]
+        nd = meta.num_decode
+        y = np.empty((t, h, d), np.float32)
+        if nd:
+            reference.decode_host(q[:nd], k[:nd], v[:nd], self._decay_host, pool, np.arange(nd), meta.slots_cpu[:nd],
+                                  y[:nd])
+        if nd < t:
+            reference.prefill_host(q[nd:], k[nd:], v[nd:], _host(self.slopes), pool, meta.prefill_cu_seqlens_cpu64,
+                                   meta.slots_cpu[nd:], self.block_size, y[nd:])
+        gate = _host(self.output_gate(hidden).astype("float32"))
+        z = self._tp_rms_norm_gate_host(y.reshape(t, h * d), gate)
+        return self.out_proj(dlpack.from_dlpack(z).astype(hidden.dtype))
+
     def _tp_rms_norm_gate(self, y: paddle.Tensor, gate: paddle.Tensor) -> paddle.Tensor:
         """``RMSNorm(y) * sigmoid(gate)``. The norm spans all ``H*D`` channels though each rank holds
         ``H*D/tp``: the sum of squares is all-reduced, then divided by the global width (a per-rank norm
-        would be a different function). NumPy on CPU, where Paddle's sigmoid and broadcasts are slow."""
+        would be a different function)."""
+        sum_sq = tensor_model_parallel_all_reduce(paddle.sum(y * y, axis=-1, keepdim=True), self.fd_config)
+        z = y * paddle.rsqrt(sum_sq / float(self.num_heads * self.head_dim) + self.norm_eps) * self.norm.weight
+        return nn.functional.sigmoid(gate) * z
+
+    def _tp_rms_norm_gate_host(self, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """:meth:`_tp_rms_norm_gate` in NumPy (Paddle's CPU sigmoid and broadcasts are slow), written over
+        ``gate``'s memory (a fresh projection output) in row chunks split over the host threads."""
         width = float(self.num_heads * self.head_dim)
-        host_y, host_gate = _host(y), _host(gate)
-        if host_y is None:
-            sum_sq = tensor_model_parallel_all_reduce(paddle.sum(y * y, axis=-1, keepdim=True), self.fd_config)
-            z = y * paddle.rsqrt(sum_sq / width + self.norm_eps) * self.norm.weight
-            return nn.functional.sigmoid(gate) * z
-        sum_sq = np.einsum("ij,ij->i", host_y, host_y).reshape(-1, 1)  # real strides: collectives need them
+        sum_sq = np.einsum("ij,ij->i", y, y).reshape(-1, 1)  # real strides: collectives need them
         sum_sq = np.from_dlpack(tensor_model_parallel_all_reduce(dlpack.from_dlpack(sum_sq), self.fd_config))
-        out = np.negative(host_gate)
-        np.exp(out, out=out)
-        out += 1.0
-        np.divide(host_y, out, out=out)  # y * sigmoid(gate)
-        out *= 1.0 / np.sqrt(sum_sq / width + self.norm_eps)
-        out *= _host(self.norm.weight)
-        return dlpack.from_dlpack(out)
+        scale = 1.0 / np.sqrt(sum_sq / width + self.norm_eps)
+        weight = _host(self.norm.weight)
+
+        def rows(r):
+            for c in chunks(r, gate.shape[1]):
+                o = gate[c]
+                np.negative(o, out=o)
+                np.exp(o, out=o)
+                o += 1.0
+                np.divide(y[c], o, out=o)  # y * sigmoid(gate)
+                o *= scale[c]
+                o *= weight
+
+        run_parallel(rows, split(gate.shape[0], HOST_MIN_ROWS))
+        return gate
 
 
-def _host(t: paddle.Tensor) -> np.ndarray | None:
-    """A NumPy view of a contiguous CPU tensor's memory (None on other devices)."""
-    return np.from_dlpack(t.contiguous()) if t.place.is_cpu_place() else None
+def _host(t: paddle.Tensor) -> np.ndarray:
+    """A NumPy view of a contiguous CPU tensor's memory."""
+    return np.from_dlpack(t.contiguous())
 
 
-def _silu_split(qkv: paddle.Tensor):
-    """``silu`` of head-major ``[T, H, 3D]`` → contiguous ``q, k, v`` ``[T, H, D]``. On CPU in NumPy, writing
-    each output straight from its strided slice: Paddle's silu is 4x slower than NumPy's exp, and the split
-    would cost three more copies."""
-    d = qkv.shape[-1] // 3
-    host = _host(qkv)
-    if host is None:
-        return tuple(x.contiguous() for x in paddle.split(nn.functional.silu(qkv), 3, axis=-1))
-    outs = []
-    for i in range(3):
-        x = host[..., i * d:(i + 1) * d]
-        out = np.negative(x)
-        np.exp(out, out=out)
-        out += 1.0
-        np.divide(x, out, out=out)
-        outs.append(dlpack.from_dlpack(out))
-    return tuple(outs)
+def silu_host(x: np.ndarray) -> np.ndarray:
+    """``silu(x)`` of a 2-D float32 array as a new array (Paddle's CPU silu is 4x slower than NumPy's exp), in
+    row chunks that stay in cache across the four passes, split over the host threads."""
+    out = np.empty_like(x)
+
+    def rows(r):
+        for c in chunks(r, x.shape[1]):
+            o = out[c]
+            np.negative(x[c], out=o)
+            np.exp(o, out=o)
+            o += 1.0
+            np.divide(x[c], o, out=o)
+
+    run_parallel(rows, split(x.shape[0], HOST_MIN_ROWS))
+    return out

@@ -14,6 +14,12 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+# Rows per host thread below which one thread runs an elementwise pass (a hand-off costs more).
+HOST_MIN_ROWS = 256
+# Elements of one operand per chunk of a multi-pass elementwise loop: a chunk's operands stay in a core's
+# L2 across the passes (a [2048, 1536] silu: 4.3 -> 3.6 ms on one thread, against whole-array passes).
+CHUNK_ELEMENTS = 1 << 16
+
 _threads: int | None = None
 _pool: ThreadPoolExecutor | None = None
 
@@ -63,3 +69,10 @@ def run_parallel(fn, items) -> None:
             future.exception()  # wait for all before anything propagates: they write shared outputs
     for future in futures:
         future.result()
+
+
+def chunks(rows: slice, width: int) -> list[slice]:
+    """Row range ``rows`` (of an array ``width`` elements wide) in consecutive slices of about
+    :data:`CHUNK_ELEMENTS` elements."""
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [slice(a, min(a + step, rows.stop)) for a in range(rows.start, rows.stop, step)]

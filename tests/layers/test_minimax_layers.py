@@ -84,20 +84,19 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def test_lightning_layer_matches_float64_recurrence(tmp_path):
-    """Step 1 prefills three sequences; step 2 mixes two decodes and a carried prefill chunk; state read and
-    written at the sequences' slots only (slot 3 stays untouched)."""
+def _lightning_case(tmp_path, seed, slots):
+    """A randomised lightning layer, its zeroed state pool of ``slots`` slots, and a float64 reference
+    ``reference(x, slot)`` that carries its own per-slot states."""
     cfg = _tiny_cfg(tmp_path)
     layer_id, heads, d, hidden = 4, cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     attn = LinearAttention(FDConfig(model_config=cfg), hidden, heads, d, layer_id, cfg.num_hidden_layers, 0,
                            norm_eps=1e-6, block_size=cfg.block_size, prefix="l")
-    _randomize(attn, 7)
+    _randomize(attn, seed)
     w_qkv, w_gate, w_out = (getattr(attn, n).weight.numpy().astype(np.float64) for n in ("qkv_proj", "output_gate", "out_proj"))
     w_norm = attn.norm.weight.numpy().astype(np.float64)
     lam = np.exp(-lightning_slopes(heads, layer_id, cfg.num_hidden_layers))
-    rng = np.random.default_rng(8)
-    pool = paddle.zeros([4, heads, d, d])
-    ref_state = {s: np.zeros((heads, d, d)) for s in range(4)}
+    pool = paddle.zeros([slots, heads, d, d])
+    ref_state = {s: np.zeros((heads, d, d)) for s in range(slots)}
 
     def reference(x, slot):
         qkv = _silu(x @ w_qkv).reshape(len(x), heads, 3 * d)
@@ -110,6 +109,14 @@ def test_lightning_layer_matches_float64_recurrence(tmp_path):
         z = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6) * w_norm
         return (1.0 / (1.0 + np.exp(-(x @ w_gate))) * z) @ w_out
 
+    return attn, pool, reference, ref_state, hidden
+
+
+def test_lightning_layer_matches_float64_recurrence(tmp_path):
+    """Step 1 prefills three sequences; step 2 mixes two decodes and a carried prefill chunk; state read and
+    written at the sequences' slots only (slot 3 stays untouched)."""
+    attn, pool, reference, ref_state, hidden = _lightning_case(tmp_path, 7, 4)
+    rng = np.random.default_rng(8)
     for lens, num_decode, slots in (([21, 9, 13], 0, [2, 0, 1]), ([1, 1, 30], 2, [0, 2, 1])):
         x = rng.standard_normal((sum(lens), hidden))
         meta, lmeta = _step_meta(pool, lens, num_decode, slots)
@@ -120,6 +127,42 @@ def test_lightning_layer_matches_float64_recurrence(tmp_path):
         for s in range(3):
             assert rel_err(pool[s].numpy(), ref_state[s]) <= REL_TOL
         assert float(pool[3].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("tokens", [1, 17, 255, 257])
+def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypatch, tokens):
+    """The CPU path at odd sizes: a prefill of ``tokens`` tokens, then ``tokens`` one-token decodes in one step,
+    match the float64 recurrence; row chunks (a width that does not divide the chunk) and two host threads give
+    the bits of one thread and whole-array passes, and so does the NumPy decode fallback of the MKL one."""
+    from fastdeploy_ext.ops import host_threads
+    from fastdeploy_ext.ops.lightning_attn import reference as ref_op
+
+    slots = list(range(tokens))[::-1]
+    results = []
+    for threads, chunk, mkl in ((1, 1 << 30, True), (2, 1000, True), (2, 1000, False)):
+        attn, pool, reference, ref_state, hidden = _lightning_case(tmp_path, 31, tokens)
+        rng = np.random.default_rng(32)
+        monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(ref_op.cpu_gemm, "available", lambda mkl=mkl: mkl and cpu_gemm._library() is not None)
+        before = host_threads.host_threads()
+        host_threads.set_host_threads(threads)
+        try:
+            outs = []
+            for lens, num_decode in (([tokens], 0), ([1] * tokens, tokens)):
+                x = rng.standard_normal((sum(lens), hidden))
+                meta, lmeta = _step_meta(pool, lens, num_decode, slots[:len(lens)])
+                got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
+                starts = np.concatenate([[0], np.cumsum(lens)])
+                want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots[:len(lens)])])
+                assert rel_err(got, want) <= REL_TOL
+                outs.append(got)
+        finally:
+            host_threads.set_host_threads(before)
+        results.append(outs)
+    for a, b in zip(results[0], results[1]):
+        assert np.array_equal(a, b)
+    for a, b in zip(results[1], results[2]):
+        assert rel_err(a, b.astype(np.float64)) <= 1e-5
 
 
 def test_lightning_tp_shards_use_global_heads(tmp_path):

@@ -21,7 +21,7 @@ from paddle.utils import dlpack
 
 from fastdeploy_ext.ops import cpu_gemm
 
-__all__ = ["lightning_attn_prefill", "lightning_attn_decode"]
+__all__ = ["lightning_attn_prefill", "lightning_attn_decode", "prefill_host", "decode_host", "decay"]
 
 # Largest temporary of one prefill group (scores [blocks, H, B, B], states [blocks, H, D, D], padded
 # q/k/v/o [tokens, H, D]), in float32 elements: a long batch runs as several groups, carrying the state.
@@ -67,13 +67,23 @@ def lightning_attn_prefill(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, *,
     if total == 0:
         return paddle.zeros([0, num_heads, head_dim], dtype="float32")
 
-    x = _Prefill(_host(q), _host(k), _host(v), _host(slopes), _host(state_pool), block_size)
     out = np.empty((total, num_heads, head_dim), np.float32)
+    prefill_host(_host(q), _host(k), _host(v), _host(slopes), _host(state_pool), cu, slots, block_size, out)
+    return dlpack.from_dlpack(out)
+
+
+def prefill_host(q, k, v, slopes, pool, cu, slots, block_size, out):
+    """:func:`lightning_attn_prefill` on host arrays, unchecked, writing ``out`` ``[total, H, D]``: q, k, v may be
+    strided views (unit stride along D), ``cu`` and ``slots`` int64. For callers that validated their
+    batch once (the engine's lightning layers share one per step)."""
+    if out.shape[0] == 0:
+        return
+    num_heads, head_dim = q.shape[1:]
+    x = _Prefill(q, k, v, slopes, pool, block_size)
     per_token = num_heads * max(block_size, head_dim, -(-head_dim * head_dim // block_size))
     group_tokens = max(block_size, _GROUP_ELEMENTS // per_token // block_size * block_size)
     for starts, lengths, group_slots in _groups(cu, slots, group_tokens, block_size):
         x.run(starts, lengths, group_slots, out)
-    return dlpack.from_dlpack(out)
 
 
 def _groups(cu, slots, group_tokens, block_size):
@@ -191,32 +201,48 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):
 
     out = np.zeros((batch, num_heads, head_dim), np.float32)
     if rows.shape[0]:
-        pool = _host(state_pool)
-        qh, kh, vh = _host(q), _host(k), _host(v)
-        lam = np.exp(-_host(slopes).astype(np.float64)).astype(np.float32)[:, None, None]
-        if cpu_gemm.available() and all(_rows_contiguous(x) for x in (qh, kh, vh, out)) and pool.flags.c_contiguous:
-            _decode_mkl(qh, kh, vh, lam.reshape(-1), pool, rows, live, out)
-            return dlpack.from_dlpack(out)
-        # The step streams the states once: it works in place on runs of consecutive slots, a few
-        # sequences at a time, so decay, k^T v update and q S all hit a chunk while it is in cache
-        # (gathering and scattering whole [B, H, D, D] batches costs several extra passes).
-        order = np.argsort(live, kind="stable")
-        live, rows = live[order], rows[order]
-        qs, ks, vs = qh[rows], kh[rows], vh[rows]  # in slot order: each chunk below is a slice
-        out_sorted = np.empty_like(qs)
-        per_chunk = max(1, _DECODE_CHUNK_BYTES // (4 * num_heads * head_dim * head_dim))
-        update = np.empty((min(per_chunk, rows.shape[0]), num_heads, head_dim, head_dim), np.float32)
-        run_starts = np.flatnonzero(np.diff(live, prepend=-2) != 1).tolist()
-        for lo, end in zip(run_starts, run_starts[1:] + [rows.shape[0]]):
-            for a in range(lo, end, per_chunk):
-                b = min(a + per_chunk, end)
-                state, upd = pool[live[a]:live[a] + b - a], update[:b - a]
-                state *= lam
-                np.einsum("bhd,bhe->bhde", ks[a:b], vs[a:b], out=upd)  # k^T v (2x faster than a broadcast)
-                state += upd
-                np.matmul(qs[a:b, :, None, :], state, out=out_sorted[a:b, :, None, :])
-        out[rows] = out_sorted
+        decode_host(_host(q), _host(k), _host(v), decay(_host(slopes)), _host(state_pool), rows, live, out)
     return dlpack.from_dlpack(out)
+
+
+def decay(slopes: np.ndarray) -> np.ndarray:
+    """Per-head decay ``exp(-slope)`` ``[H]`` float32 of float32 slopes (computed in float64)."""
+    return np.exp(-slopes.astype(np.float64)).astype(np.float32)
+
+
+def decode_host(q, k, v, lam, pool, rows, slots, out):
+    """:func:`lightning_attn_decode` on host arrays, unchecked: sequence ``rows[i]`` (of q, k, v ``[B, H, D]``,
+    strided views allowed with unit stride along D) steps the state ``pool[slots[i]]`` (distinct) and writes
+    ``out[rows[i]]``; other rows of ``out`` are left as they are. ``lam`` is :func:`decay` of the slopes."""
+    if rows.shape[0]:
+        if cpu_gemm.available() and all(_rows_unit(x) for x in (q, k, v, out)) and pool.flags.c_contiguous:
+            _decode_mkl(q, k, v, lam, pool, rows, slots, out)
+        else:
+            _decode_numpy(q, k, v, lam[:, None, None], pool, rows, slots, out)
+
+
+def _decode_numpy(qh, kh, vh, lam, pool, rows, live, out):
+    """The step in NumPy, where MKL is missing or cannot address the arrays."""
+    num_heads, head_dim = qh.shape[1:]
+    # The step streams the states once: it works in place on runs of consecutive slots, a few
+    # sequences at a time, so decay, k^T v update and q S all hit a chunk while it is in cache
+    # (gathering and scattering whole [B, H, D, D] batches costs several extra passes).
+    order = np.argsort(live, kind="stable")
+    live, rows = live[order], rows[order]
+    qs, ks, vs = qh[rows], kh[rows], vh[rows]  # in slot order: each chunk below is a slice
+    out_sorted = np.empty_like(qs)
+    per_chunk = max(1, _DECODE_CHUNK_BYTES // (4 * num_heads * head_dim * head_dim))
+    update = np.empty((min(per_chunk, rows.shape[0]), num_heads, head_dim, head_dim), np.float32)
+    run_starts = np.flatnonzero(np.diff(live, prepend=-2) != 1).tolist()
+    for lo, end in zip(run_starts, run_starts[1:] + [rows.shape[0]]):
+        for a in range(lo, end, per_chunk):
+            b = min(a + per_chunk, end)
+            state, upd = pool[live[a]:live[a] + b - a], update[:b - a]
+            state *= lam
+            np.einsum("bhd,bhe->bhde", ks[a:b], vs[a:b], out=upd)  # k^T v (2x faster than a broadcast)
+            state += upd
+            np.matmul(qs[a:b, :, None, :], state, out=out_sorted[a:b, :, None, :])
+    out[rows] = out_sorted
 
 
 def _decode_mkl(q, k, v, lam, pool, rows, slots, out):
@@ -236,9 +262,10 @@ def _decode_mkl(q, k, v, lam, pool, rows, slots, out):
                         np.zeros(1, np.float32), sizes[:1] * num_heads)
 
 
-def _rows_contiguous(x):
-    """Each [H, D] row block has unit element stride (the batched GEMMs take D-wide rows)."""
-    return x.strides[2] == x.itemsize and x.strides[1] == x.shape[2] * x.itemsize
+def _rows_unit(x):
+    """Each head's D values are adjacent (the batched GEMMs take one D-wide row per head and sequence, at
+    any head and sequence stride)."""
+    return x.strides[2] == x.itemsize
 
 
 def _host(t):

@@ -22,7 +22,7 @@ from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from fastdeploy_ext.layers.linear import ColumnParallelLinear, RowParallelLinear
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
-from fastdeploy_ext.ops.host_threads import HOST_MIN_ROWS, chunks, run_parallel, split
+from fastdeploy_ext.ops.host_threads import run_chunked
 from fastdeploy_ext.ops.lightning_attn import reference
 
 
@@ -201,17 +201,16 @@ class LinearAttention(nn.Layer):
         scale = 1.0 / np.sqrt(sum_sq / width + self.norm_eps)
         weight = _host(self.norm.weight)
 
-        def rows(r):
-            for c in chunks(r, gate.shape[1]):
-                o = gate[c]
-                np.negative(o, out=o)
-                np.exp(o, out=o)
-                o += 1.0
-                np.divide(y[c], o, out=o)  # y * sigmoid(gate)
-                o *= scale[c]
-                o *= weight
+        def rows(c):
+            o = gate[c]
+            np.negative(o, out=o)
+            np.exp(o, out=o)
+            o += 1.0
+            np.divide(y[c], o, out=o)  # y * sigmoid(gate)
+            o *= scale[c]
+            o *= weight
 
-        run_parallel(rows, split(gate.shape[0], HOST_MIN_ROWS))
+        run_chunked(rows, gate.shape[0], gate.shape[1])
         return gate
 
 
@@ -225,13 +224,12 @@ def silu_host(x: np.ndarray) -> np.ndarray:
     row chunks that stay in cache across the four passes, split over the host threads."""
     out = np.empty_like(x)
 
-    def rows(r):
-        for c in chunks(r, x.shape[1]):
-            o = out[c]
-            np.negative(x[c], out=o)
-            np.exp(o, out=o)
-            o += 1.0
-            np.divide(x[c], o, out=o)
+    def rows(c):
+        o = out[c]
+        np.negative(x[c], out=o)
+        np.exp(o, out=o)
+        o += 1.0
+        np.divide(x[c], o, out=o)
 
-    run_parallel(rows, split(x.shape[0], HOST_MIN_ROWS))
+    run_chunked(rows, x.shape[0], x.shape[1])
     return out

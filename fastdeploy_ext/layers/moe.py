@@ -18,7 +18,7 @@ from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_r
 from fastdeploy_ext.layers.linear import compute_dtype
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
 from fastdeploy_ext.ops import cpu_gemm
-from fastdeploy_ext.ops.host_threads import run_parallel, split
+from fastdeploy_ext.ops.host_threads import run_chunked
 
 SHARD_IDS = ("gate", "up", "down")
 
@@ -123,9 +123,19 @@ class FusedMoE(nn.Layer):
 
     def forward(self, x: paddle.Tensor, gate: nn.Layer) -> paddle.Tensor:
         """``x`` ``[T, hidden]``; ``gate`` maps fp32 ``[T, hidden]`` to router logits ``[T, E]``."""
-        t, k, num_experts = x.shape[0], self.top_k, self.num_experts
         # The routing is tiny ([T, E]): it runs on the host, and so does the dispatch bookkeeping.
-        top_i, top_w = route(gate(x.astype("float32")).astype("float32").numpy(), k, self.renormalize)
+        top_i, top_w = route(gate(x.astype("float32")).astype("float32").numpy(), self.top_k, self.renormalize)
+        host_x = _host(x.contiguous()) if self._packed is not None and x.dtype == paddle.float32 else None
+        if host_x is not None:
+            out = dlpack.from_dlpack(self._forward_packed(host_x, top_i, top_w))
+        else:
+            out = self._forward_paddle(x, top_i, top_w)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out, self.fd_config)
+        return out
+
+    def _forward_paddle(self, x: paddle.Tensor, top_i: np.ndarray, top_w: np.ndarray) -> paddle.Tensor:
+        t, k, num_experts = x.shape[0], self.top_k, self.num_experts
         flat = top_i.reshape(-1)
         counts = np.bincount(flat, minlength=num_experts)
         cap = int(counts.max())
@@ -134,10 +144,8 @@ class FusedMoE(nn.Layer):
         # busiest expert's count and runs each projection as one batched matmul over the stacked weights.
         # Otherwise segments are exact and each expert with rows gets its own matmul: a large batch is
         # compute-bound (padding would be wasted work), and a batch that skips experts must not read them.
-        # Packed experts always take exact segments: padding paid for fewer calls, and a call against a packed
-        # weight costs no repacking.
-        host_x = _host(x.contiguous()) if self._packed is not None and x.dtype == paddle.float32 else None
-        batched = (host_x is None and self.quant_method is None and bool(np.all(counts))
+        # Packed experts (:meth:`_forward_packed`) always take exact segments.
+        batched = (self.quant_method is None and bool(np.all(counts))
                    and cap * num_experts <= t * k + _MAX_PAD_ROWS)
         starts = np.arange(num_experts) * cap if batched else np.cumsum(counts) - counts
         order = np.argsort(flat, kind="stable")
@@ -146,31 +154,30 @@ class FusedMoE(nn.Layer):
         num_rows = num_experts * cap if batched else t * k
         row_weights = np.zeros(num_rows, np.float32)
         row_weights[dest] = top_w.reshape(-1)
-        if host_x is not None:
-            out = dlpack.from_dlpack(self._forward_packed(host_x, order // k, starts, counts, row_weights, dest))
-        else:
-            rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
-            segments = None if batched else (starts, counts)
-            act = _swiglu_scaled(self._project("up_gate_proj_weight", rows, segments), row_weights)
-            y = self._project("down_proj_weight", act, segments)
-            out = _sum_rows(y.astype("float32"), dest.reshape(t, k)).astype(x.dtype)
-        if self.reduce_results:
-            out = tensor_model_parallel_all_reduce(out, self.fd_config)
-        return out
+        rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
+        segments = None if batched else (starts, counts)
+        act = _swiglu_scaled(self._project("up_gate_proj_weight", rows, segments), row_weights)
+        y = self._project("down_proj_weight", act, segments)
+        return _sum_rows(y.astype("float32"), dest.reshape(t, k)).astype(x.dtype)
 
-    def _forward_packed(self, x, src, starts, counts, row_weights, dest):
-        """The exact-segment dispatch in NumPy against the packed experts: every expert's product is written
-        into its rows of one buffer."""
+    def _forward_packed(self, x: np.ndarray, top_i: np.ndarray, top_w: np.ndarray) -> np.ndarray:
+        """The dispatch in NumPy against the packed experts, in exact segments (padding paid for fewer calls;
+        a call against a packed weight costs no repacking): pairs sorted by expert (stable) are the rows of
+        one buffer, every expert's product is written into its rows, and the inverse permutation sums each
+        token's pairs."""
         up_gate, down = self._packed
-        rows = np.take(x, src, axis=0)
+        flat = top_i.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        dest = np.empty_like(order)
+        dest[order] = np.arange(order.shape[0])
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=self.num_experts))])
+        experts = range(self.num_experts)
+        rows = np.take(x, order // self.top_k, axis=0)
         h = np.empty((rows.shape[0], up_gate.n), np.float32)
-        live = [(e, slice(s, s + n)) for e, (s, n) in enumerate(zip(starts.tolist(), counts.tolist())) if n]
-        for e, r in live:
-            up_gate.matmul(e, rows[r], h[r])
-        act = _swiglu_scaled_host(h, row_weights)
+        up_gate.matmul_segments(rows, h, bounds, experts)
+        act = _swiglu_scaled_host(h, top_w.reshape(-1)[order])
         y = np.empty((rows.shape[0], down.n), np.float32)
-        for e, r in live:
-            down.matmul(e, act[r], y[r])
+        down.matmul_segments(act, y, bounds, experts)
         return _sum_rows_host(y, dest.reshape(-1, self.top_k))
 
     def _project(self, name: str, rows: paddle.Tensor, segments) -> paddle.Tensor:
@@ -186,8 +193,6 @@ class FusedMoE(nn.Layer):
 
 # Padding rows a batched expert matmul may add (see FusedMoE.forward).
 _MAX_PAD_ROWS = 256
-# Rows per host thread below which one thread runs the NumPy activation (a hand-off costs more).
-_HOST_MIN_ROWS = 256
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -233,16 +238,16 @@ def _swiglu_scaled_host(host: np.ndarray, scale: np.ndarray) -> np.ndarray:
     inter = host.shape[1] // 2
     out = np.empty((host.shape[0], inter), host.dtype)
 
-    def rows(r):
-        gate_half, up, o = host[r, :inter], host[r, inter:], out[r]
+    def rows(c):
+        gate_half, up, o = host[c, :inter], host[c, inter:], out[c]
         np.negative(gate_half, out=o)
         np.exp(o, out=o)
         o += 1.0
         np.divide(gate_half, o, out=o)
         o *= up
-        o *= scale[r, None]
+        o *= scale[c, None]
 
-    run_parallel(rows, split(host.shape[0], _HOST_MIN_ROWS))
+    run_chunked(rows, host.shape[0], host.shape[1])
     return out
 
 
@@ -255,7 +260,12 @@ def _sum_rows(y: paddle.Tensor, dest: np.ndarray) -> paddle.Tensor:
 
 
 def _sum_rows_host(y: np.ndarray, dest: np.ndarray) -> np.ndarray:
-    out = y[dest[:, 0]]
-    for j in range(1, dest.shape[1]):
-        out += y[dest[:, j]]
+    out = np.empty((dest.shape[0], y.shape[1]), y.dtype)
+
+    def rows(c):
+        np.take(y, dest[c, 0], axis=0, out=out[c])
+        for j in range(1, dest.shape[1]):
+            out[c] += y[dest[c, j]]
+
+    run_chunked(rows, dest.shape[0], y.shape[1])
     return out

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+import paddle
 from paddle import nn
+from paddle.utils import dlpack
 
 from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
 from fastdeploy_ext.layers.attention import Attention
@@ -22,6 +25,7 @@ from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
+from fastdeploy_ext.ops.host_threads import run_chunked
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
 from fastdeploy_ext.quantization.methods import check_components_complete
 
@@ -101,9 +105,32 @@ class MiniMaxM1DecoderLayer(nn.Layer):
             attn = self.self_attn(a, forward_meta, linear_meta)
         else:
             attn = self.self_attn(positions, a, forward_meta)
-        h = self.attn_alpha * (a if self.postnorm else x) + self.attn_beta * attn
+        h = _scaled_sum(self.attn_alpha, a if self.postnorm else x, self.attn_beta, attn)
         b, _ = self.post_attention_layernorm(h)
-        return self.mlp_alpha * (b if self.postnorm else h) + self.mlp_beta * self.block_sparse_moe(b)
+        return _scaled_sum(self.mlp_alpha, b if self.postnorm else h, self.mlp_beta, self.block_sparse_moe(b))
+
+
+# Rows from which the residual sum runs in NumPy: [T, 512] fp32, 2 threads, Paddle's three ops vs NumPy's
+# passes plus the DLPack round trips: 64 rows 19 vs 42 us, 256 rows 163 vs 169 us, 2048 rows 4.4 vs 1.0 ms.
+_HOST_RESIDUAL_ROWS = 512
+
+
+def _scaled_sum(alpha: float, x: paddle.Tensor, beta: float, y: paddle.Tensor) -> paddle.Tensor:
+    """``alpha * x + beta * y`` (the DeepNorm residual), in the same fp32 operations either way."""
+    if (x.shape[0] < _HOST_RESIDUAL_ROWS or not x.place.is_cpu_place()
+            or not x.dtype == y.dtype == paddle.float32):
+        return alpha * x + beta * y
+    xh, yh = np.from_dlpack(x.contiguous()), np.from_dlpack(y.contiguous())
+    out = np.empty_like(xh)
+    a, b = np.float32(alpha), np.float32(beta)
+
+    def rows(c):
+        o = out[c]
+        np.multiply(xh[c], a, out=o)
+        o += yh[c] * b
+
+    run_chunked(rows, xh.shape[0], xh.shape[1])
+    return dlpack.from_dlpack(out)
 
 
 class MiniMaxM1Model(nn.Layer):

@@ -80,17 +80,27 @@ class PackedWeights:
     def matmul(self, index: int, a: np.ndarray, out: np.ndarray) -> None:
         """``out = a @ W[index]``; ``a`` ``[m, K]`` and ``out`` ``[m, N]`` float32 with unit column stride
         (rows may be strided)."""
+        self.matmul_segments(a, out, np.array([0, a.shape[0]]), [index])
+
+    def matmul_segments(self, a: np.ndarray, out: np.ndarray, bounds: np.ndarray, indices) -> None:
+        """``out[s] = a[s] @ W[indices[i]]`` for every row range ``s = bounds[i]:bounds[i + 1]`` (one check of
+        the operands, then one MKL call per non-empty range: a MoE layer's experts in one call from Python)."""
         m = a.shape[0]
         if a.shape != (m, self.k) or out.shape != (m, self.n):
             raise ValueError(f"shapes {list(a.shape)} @ [{self.k}, {self.n}] -> {list(out.shape)}")
         for x in (a, out):
             if x.dtype != np.float32 or x.strides[1] != 4 or (m > 1 and x.strides[0] < 4 * x.shape[1]):
                 raise ValueError("a and out must be float32 with contiguous rows")
-        if m == 0:
-            return
-        _library().cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, self.n, self.k, a.ctypes.data,
-                                       max(a.strides[0] // 4, self.k), self._buffers[index].ctypes.data, self.n, 0.0,
-                                       out.ctypes.data, max(out.strides[0] // 4, self.n))
+        bounds = [int(b) for b in bounds]
+        if len(bounds) != len(indices) + 1 or bounds[0] < 0 or bounds[-1] > m or any(
+                lo > hi for lo, hi in zip(bounds, bounds[1:])):
+            raise ValueError(f"row bounds {bounds} do not split [0, {m}) for {len(indices)} matrices")
+        lda, ldc = max(a.strides[0] // 4, self.k), max(out.strides[0] // 4, self.n)
+        a_ptr, out_ptr, compute = a.ctypes.data, out.ctypes.data, _library().cblas_sgemm_compute
+        for i, lo, hi in zip(indices, bounds, bounds[1:]):
+            if hi > lo:
+                compute(_ROW_MAJOR, _NO_TRANS, _PACKED, hi - lo, self.n, self.k, a_ptr + 4 * lda * lo, lda,
+                        self._buffers[i].ctypes.data, self.n, 0.0, out_ptr + 4 * ldc * lo, ldc)
 
 
 def gemm_batch(m: int, n: int, k: int, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, c: np.ndarray, ldc: int,

@@ -71,8 +71,18 @@ def run_parallel(fn, items) -> None:
         future.result()
 
 
-def chunks(rows: slice, width: int) -> list[slice]:
-    """Row range ``rows`` (of an array ``width`` elements wide) in consecutive slices of about
-    :data:`CHUNK_ELEMENTS` elements."""
+
+def run_chunked(fn, n: int, width: int) -> None:
+    """``fn(rows)`` over row slices covering ``[0, n)`` of arrays ``width`` elements wide: slices of about
+    :data:`CHUNK_ELEMENTS` elements (a multi-pass elementwise loop keeps its operands in a core's L2), spread
+    over the host threads in runs of at least :data:`HOST_MIN_ROWS` rows. One small array is one call."""
+    if n * width <= CHUNK_ELEMENTS:
+        fn(slice(0, n))
+        return
     step = max(1, CHUNK_ELEMENTS // max(1, width))
-    return [slice(a, min(a + step, rows.stop)) for a in range(rows.start, rows.stop, step)]
+
+    def run(r):
+        for a in range(r.start, r.stop, step):
+            fn(slice(a, min(a + step, r.stop)))
+
+    run_parallel(run, split(n, HOST_MIN_ROWS))

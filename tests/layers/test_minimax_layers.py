@@ -337,3 +337,45 @@ def test_packed_weights_match_float64(rows):
         want = a.astype(np.float64) @ w[e]
         assert rel_err(out[:, 4:76], want) <= REL_TOL
     assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 76:]).all()
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
+@pytest.mark.parametrize("tokens", [1, 17, 255, 257])
+def test_moe_packed_chunks_and_threads_do_not_change_results(monkeypatch, tokens):
+    """The packed path's activation and pair sum in row chunks (a width that does not divide the chunk) over
+    two host threads give the bits of whole-array passes on one thread."""
+    from fastdeploy_ext.ops import host_threads
+
+    moe, gate, x, want = _moe_case(41, tokens)
+    moe.process_weights_after_loading()
+    before = host_threads.host_threads()
+    try:
+        host_threads.set_host_threads(1)
+        monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1 << 30)
+        one = moe(x, gate).numpy()
+        host_threads.set_host_threads(2)
+        monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1000)
+        two = moe(x, gate).numpy()
+    finally:
+        host_threads.set_host_threads(before)
+    assert np.array_equal(one, two)
+    assert rel_err(two, want) <= REL_TOL
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
+def test_packed_weights_segments_match_float64():
+    """One call over row ranges of 0, 1, 17, 0, 255 and 257 rows (strided operands), each against its own matrix."""
+    rng = np.random.default_rng(51)
+    w = rng.standard_normal((4, 40, 72)).astype(np.float32)
+    packed = cpu_gemm.PackedWeights(w)
+    bounds = np.cumsum([0, 0, 1, 17, 0, 255, 257])
+    indices = [3, 0, 2, 1, 3, 1]
+    a = rng.standard_normal((bounds[-1], 50)).astype(np.float32)[:, 5:45]
+    out = np.full((bounds[-1], 80), np.nan, np.float32)
+    packed.matmul_segments(a, out[:, 4:76], bounds, indices)
+    for i, lo, hi in zip(indices, bounds, bounds[1:]):
+        if hi > lo:
+            assert rel_err(out[lo:hi, 4:76], a[lo:hi].astype(np.float64) @ w[i]) <= REL_TOL
+    assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 76:]).all()
+    with pytest.raises(ValueError, match="row bounds"):
+        packed.matmul_segments(a, out[:, 4:76], np.array([0, 5, 3, bounds[-1]]), [0, 1, 2])

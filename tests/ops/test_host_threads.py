@@ -2,6 +2,8 @@
 
 import threading
 
+import numpy as np
+
 import pytest
 
 from fastdeploy_ext.ops import host_threads
@@ -44,3 +46,19 @@ def test_run_parallel_waits_for_all_then_raises(two_threads):
 def test_set_host_threads_rejects_bad_counts():
     with pytest.raises(ValueError, match="positive int"):
         host_threads.set_host_threads(0)
+
+
+@pytest.mark.parametrize("n, width, chunk", [(1, 7, 4), (17, 3, 8), (255, 40, 1000), (257, 40, 1000), (600, 5, 64)])
+def test_run_chunked_covers_rows_once(two_threads, monkeypatch, n, width, chunk):
+    """Every row of [0, n) in exactly one call, each call at most a chunk (one row at least)."""
+    monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", chunk)
+    seen = np.zeros(n, np.int64)
+    sizes = []
+
+    def fn(rows):
+        seen[rows] += 1
+        sizes.append(rows.stop - rows.start)
+
+    host_threads.run_chunked(fn, n, width)
+    assert (seen == 1).all()
+    assert max(sizes) <= max(1, chunk // width) or n * width <= chunk

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-_ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
 _ALIGN = 64
 # Row count the pack is told to expect (MKL's packed layout serves any row count).
 _PACK_ROWS = 64
@@ -104,10 +104,11 @@ class PackedWeights:
 
 
 def gemm_batch(m: int, n: int, k: int, a: np.ndarray, lda: int, b: np.ndarray, ldb: int, c: np.ndarray, ldc: int,
-               beta: np.ndarray, group_sizes: np.ndarray) -> None:
-    """``C_i = A_i @ B_i + beta_g C_i`` for many small row-major fp32 matrices in one MKL call
+               beta: np.ndarray, group_sizes: np.ndarray, trans_a: bool = False, trans_b: bool = False) -> None:
+    """``C_i = op(A_i) @ op(B_i) + beta_g C_i`` for many small row-major fp32 matrices in one MKL call
     (``cblas_sgemm_batch``, spread over MKL's threads): ``a``, ``b``, ``c`` are int64 addresses, grouped
-    consecutively by ``group_sizes``, all of shape ``[m, k] @ [k, n]``. The caller owns the memory behind
+    consecutively by ``group_sizes``, all of shape ``[m, k] @ [k, n]`` after ``op`` (a transpose where
+    ``trans_a`` / ``trans_b``: A stored ``[k, m]``, B stored ``[n, k]``). The caller owns the memory behind
     the addresses and keeps it alive."""
     lib = _library()
     if lib is None:
@@ -115,7 +116,8 @@ def gemm_batch(m: int, n: int, k: int, a: np.ndarray, lda: int, b: np.ndarray, l
     groups = len(group_sizes)
     if not (len(a) == len(b) == len(c) == int(np.sum(group_sizes))) or len(beta) != groups:
         raise ValueError("address arrays must hold sum(group_sizes) entries and beta one per group")
-    ints = [np.full(groups, x, np.int32) for x in (_NO_TRANS, _NO_TRANS, m, n, k, lda, ldb, ldc)]
+    ints = [np.full(groups, x, np.int32)
+            for x in (_TRANS if trans_a else _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, lda, ldb, ldc)]
     alpha = np.ones(groups, np.float32)
     beta = np.ascontiguousarray(beta, np.float32)
     sizes = np.ascontiguousarray(group_sizes, np.int32)

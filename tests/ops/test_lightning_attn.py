@@ -328,3 +328,27 @@ def test_decode_batch_sizes_match_recurrence(monkeypatch, mkl, batch, seed):
     slots[rng.random(batch) < 0.1] = -1
     q, k, v, pool = make_inputs(seed, batch, 2, 16, batch + 3)
     check_decode_step(q, k, v, minimax_slopes(2, layer=5), pool, slots)
+
+
+@pytest.mark.parametrize("mkl", [True, False], ids=["mkl-batch", "numpy"])
+@pytest.mark.parametrize("m, n, k", [(1, 17, 255), (17, 1, 257), (255, 17, 1), (64, 64, 257)])
+def test_block_matmul_matches_float64(monkeypatch, mkl, m, n, k):
+    """The prefill's stacked products (one MKL batch call, or NumPy's matmul) on strided views, with either
+    operand transposed, equal float64 products; the output's padding columns stay untouched."""
+    from fastdeploy_ext.ops.lightning_attn import reference
+
+    if mkl and not reference.cpu_gemm.available():
+        pytest.skip("this Paddle build has no MKL")
+    monkeypatch.setattr(reference.cpu_gemm, "available", lambda: mkl and reference.cpu_gemm._library() is not None)
+    rng = np.random.default_rng(m * 1000 + n + k)
+    for trans_a, trans_b in ((False, False), (True, False), (False, True)):
+        a_shape = (k, m) if trans_a else (m, k)
+        b_shape = (n, k) if trans_b else (k, n)
+        a = rng.standard_normal((3, 2, a_shape[0], a_shape[1] + 3)).astype(np.float32)[..., 2:2 + a_shape[1]]
+        b = rng.standard_normal((2, 3, b_shape[0], b_shape[1] + 1)).astype(np.float32).transpose(1, 0, 2, 3)[..., :-1]
+        out = np.full((3, 2, m, n + 2), np.nan, np.float32)
+        reference._matmul_blocks(a, b, out[..., 1:-1], trans_a=trans_a, trans_b=trans_b)
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        want = (a64.swapaxes(2, 3) if trans_a else a64) @ (b64.swapaxes(2, 3) if trans_b else b64)
+        assert rel_err(out[..., 1:-1], want) <= 1e-5
+        assert np.isnan(out[..., 0]).all() and np.isnan(out[..., -1]).all()

@@ -126,3 +126,32 @@ def gemm_batch(m: int, n: int, k: int, a: np.ndarray, lda: int, b: np.ndarray, l
     lib.cblas_sgemm_batch(_ROW_MAJOR, ta.ctypes.data, tb.ctypes.data, mm.ctypes.data, nn.ctypes.data,
                           kk.ctypes.data, alpha.ctypes.data, a.ctypes.data, la.ctypes.data, b.ctypes.data,
                           lb.ctypes.data, beta.ctypes.data, c.ctypes.data, lc.ctypes.data, groups, sizes.ctypes.data)
+
+
+def matmul_stack(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, trans_a: bool = False,
+                 trans_b: bool = False) -> np.ndarray:
+    """``op(a) @ op(b)`` over stacks of fp32 matrices with the same leading axes (``op`` swaps the last two
+    axes where asked), into ``out`` or a new array. With MKL one ``cblas_sgemm_batch`` call over all matrices,
+    reading views as they are (any leading strides, 0 included; unit stride along a row): NumPy loops its BLAS
+    over the small products one by one (a lightning prefill's [32, 8] stack of 64 x 64 products: ~2.5 ms
+    against ~1 ms)."""
+    lead = a.shape[:-2]
+    m, k = a.shape[-1:-3:-1] if trans_a else a.shape[-2:]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    if out is None:
+        out = np.empty((*lead, m, n), np.float32)
+    if not (available() and all(x.dtype == np.float32 and x.strides[-1] == 4 and x.strides[-2] >= 4 * x.shape[-1]
+                                for x in (a, b, out))):
+        np.matmul(a.swapaxes(-1, -2) if trans_a else a, b.swapaxes(-1, -2) if trans_b else b, out=out)
+        return out
+    count = int(np.prod(lead, dtype=np.int64))
+    if count == 0:
+        return out
+    index = np.indices(lead).reshape(len(lead), -1)
+
+    def addr(x):
+        return x.ctypes.data + (np.array(x.strides[:-2], np.int64)[:, None] * index).sum(axis=0)
+
+    gemm_batch(m, n, k, addr(a), a.strides[-2] // 4, addr(b), b.strides[-2] // 4, addr(out), out.strides[-2] // 4,
+               np.zeros(1, np.float32), np.array([count]), trans_a=trans_a, trans_b=trans_b)
+    return out

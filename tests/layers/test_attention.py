@@ -189,3 +189,40 @@ def test_output_only_rows_equal_full_step_rows(seed):
     assert got.shape == (len(rows), HEADS * DIM)
     assert np.abs(got - full.reshape(t, -1)[rows]).max() < 1e-5
     assert np.array_equal(caches[0][0].numpy(), kc_full.numpy())
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_fresh_prompts_batched_on_host_match_float64(seed):
+    """A step of a decode, fresh prompts of 17, 17, 17, 1, 100, 100 and 255 tokens (runs of equal lengths are
+    batched; 255 exceeds one tile and takes the per-prompt path) and a chunk after 40 cached tokens, against
+    a float64 formula over the cache the step wrote."""
+    rng = np.random.default_rng(seed)
+    n_new = np.array([1, 17, 17, 17, 1, 100, 100, 255, 5])
+    cached = np.array([30, 0, 0, 0, 0, 0, 0, 0, 40])
+    pages = _pages(rng, list(n_new + cached), 128, contiguous=bool(seed % 2))
+    tables = np.zeros([len(pages), max(len(p) for p in pages)], np.int64)
+    for b, p in enumerate(pages):
+        tables[b, : len(p)] = p
+    t = int(n_new.sum())
+    k_cache = rng.standard_normal([KV_HEADS, 128 * BLOCK, DIM]).astype(np.float32)
+    v_cache = rng.standard_normal([KV_HEADS, 128 * BLOCK, DIM]).astype(np.float32)
+    q, k, v = (rng.standard_normal([t, h, DIM]).astype(np.float32) for h in (HEADS, KV_HEADS, KV_HEADS))
+    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
+    batches = []
+    fresh = attn._fresh_prefills_host
+    attn._fresh_prefills_host = lambda *a: batches.append(a[4]) or fresh(*a)
+    got, (kc, vc) = _run(attn, q, k, v, k_cache, v_cache, build_attention_metadata(n_new, cached, tables, BLOCK,
+                                                                                   num_decode=1))
+    assert batches == [3, 1, 2]
+    kc, vc = kc.numpy().astype(np.float64), vc.numpy().astype(np.float64)
+    g = HEADS // KV_HEADS
+    want = np.zeros(q.shape)
+    starts = np.concatenate([[0], np.cumsum(n_new)])
+    for b in range(len(n_new)):
+        rows = (pages[b][:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[: cached[b] + n_new[b]]
+        for i in range(n_new[b]):
+            for h in range(HEADS):
+                s = kc[h // g, rows[: cached[b] + i + 1]] @ q[starts[b] + i, h] / np.sqrt(DIM)
+                w = np.exp(s - s.max())
+                want[starts[b] + i, h] = (w / w.sum()) @ vc[h // g, rows[: cached[b] + i + 1]]
+    assert _rel_err(got, want) < REL_TOL

@@ -334,12 +334,13 @@ def test_decode_batch_sizes_match_recurrence(monkeypatch, mkl, batch, seed):
 @pytest.mark.parametrize("m, n, k", [(1, 17, 255), (17, 1, 257), (255, 17, 1), (64, 64, 257)])
 def test_block_matmul_matches_float64(monkeypatch, mkl, m, n, k):
     """The prefill's stacked products (one MKL batch call, or NumPy's matmul) on strided views, with either
-    operand transposed, equal float64 products; the output's padding columns stay untouched."""
-    from fastdeploy_ext.ops.lightning_attn import reference
+    operand transposed, equal float64 products; the output's padding columns stay untouched. Three leading
+    axes, one of them a stride-0 broadcast (GQA keys shared by a group of query heads)."""
+    from fastdeploy_ext.ops import cpu_gemm
 
-    if mkl and not reference.cpu_gemm.available():
+    if mkl and not cpu_gemm.available():
         pytest.skip("this Paddle build has no MKL")
-    monkeypatch.setattr(reference.cpu_gemm, "available", lambda: mkl and reference.cpu_gemm._library() is not None)
+    monkeypatch.setattr(cpu_gemm, "available", lambda: mkl and cpu_gemm._library() is not None)
     rng = np.random.default_rng(m * 1000 + n + k)
     for trans_a, trans_b in ((False, False), (True, False), (False, True)):
         a_shape = (k, m) if trans_a else (m, k)
@@ -347,8 +348,11 @@ def test_block_matmul_matches_float64(monkeypatch, mkl, m, n, k):
         a = rng.standard_normal((3, 2, a_shape[0], a_shape[1] + 3)).astype(np.float32)[..., 2:2 + a_shape[1]]
         b = rng.standard_normal((2, 3, b_shape[0], b_shape[1] + 1)).astype(np.float32).transpose(1, 0, 2, 3)[..., :-1]
         out = np.full((3, 2, m, n + 2), np.nan, np.float32)
-        reference._matmul_blocks(a, b, out[..., 1:-1], trans_a=trans_a, trans_b=trans_b)
+        cpu_gemm.matmul_stack(a, b, out[..., 1:-1], trans_a=trans_a, trans_b=trans_b)
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         want = (a64.swapaxes(2, 3) if trans_a else a64) @ (b64.swapaxes(2, 3) if trans_b else b64)
         assert rel_err(out[..., 1:-1], want) <= 1e-5
         assert np.isnan(out[..., 0]).all() and np.isnan(out[..., -1]).all()
+        shared = np.broadcast_to(b[:, :1, None], (3, 1, 4, *b.shape[2:]))
+        got = cpu_gemm.matmul_stack(a[:, :1, None].repeat(4, axis=2), shared, trans_a=trans_a, trans_b=trans_b)
+        assert rel_err(got, np.broadcast_to(want[:, :1, None], got.shape)) <= 1e-5

@@ -144,12 +144,12 @@ class _Prefill:
                 buf[dest] = x[rows]
         qb, kb, vb, ob = (x.reshape(num_blocks, bs, num_heads, head_dim).transpose(0, 2, 1, 3) for x in tokens)
 
-        scores = _matmul_blocks(qb, kb, trans_b=True)
+        scores = cpu_gemm.matmul_stack(qb, kb, trans_b=True)
         scores *= self.mask
-        _matmul_blocks(scores, vb, out=ob)
+        cpu_gemm.matmul_stack(scores, vb, out=ob)
         # Key j of a block of m tokens decays m-1-j more times before the block ends.
         k_decay = np.exp(self.neg_slope[None, :, None] * np.maximum(blk_len[:, None, None] - 1 - np.arange(bs), 0))
-        kv = _matmul_blocks(kb * k_decay[..., None].astype(np.float32), vb, trans_a=True)  # [blocks, H, D, D]
+        kv = cpu_gemm.matmul_stack(kb * k_decay[..., None].astype(np.float32), vb, trans_a=True)  # [blocks, H, D, D]
         blk_decay = np.exp(self.neg_slope[None, :] * blk_len[:, None]).astype(np.float32)[:, :, None, None]
         state = self.pool[slots]
         if nblk.max() == 1 and not state.any():
@@ -172,30 +172,6 @@ class _Prefill:
             ob += self.q_decay * (qb @ before)
         if not direct:
             out[rows] = tokens[3][dest]
-
-
-def _matmul_blocks(a, b, out=None, trans_a=False, trans_b=False):
-    """``op(a) @ op(b)`` over the leading two axes of 4-D fp32 stacks (``op`` swaps the last two axes where
-    asked), into ``out`` or a new array. With MKL one ``cblas_sgemm_batch`` call over all matrices, reading
-    strided views as they are: NumPy loops its BLAS over the [blocks, H] small products one by one
-    (a 2048-token prefill of 8 heads: ~2.5 ms per product against ~1 ms)."""
-    lead = a.shape[:2]
-    m, k = a.shape[2:][::-1] if trans_a else a.shape[2:]
-    n = b.shape[2] if trans_b else b.shape[3]
-    if out is None:
-        out = np.empty((*lead, m, n), np.float32)
-    if not (cpu_gemm.available() and all(x.strides[3] == 4 and x.strides[2] >= 4 * x.shape[3] for x in (a, b, out))):
-        np.matmul(a.swapaxes(2, 3) if trans_a else a, b.swapaxes(2, 3) if trans_b else b, out=out)
-        return out
-    i, j = np.meshgrid(np.arange(lead[0]), np.arange(lead[1]), indexing="ij")
-
-    def addr(x):
-        return (x.ctypes.data + i * x.strides[0] + j * x.strides[1]).reshape(-1)
-
-    cpu_gemm.gemm_batch(m, n, k, addr(a), a.strides[2] // 4, addr(b), b.strides[2] // 4, addr(out),
-                        out.strides[2] // 4, np.zeros(1, np.float32), np.array([lead[0] * lead[1]]),
-                        trans_a=trans_a, trans_b=trans_b)
-    return out
 
 
 def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids):

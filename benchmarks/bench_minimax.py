@@ -6,7 +6,8 @@ intermediate 512. Run: ``python benchmarks/bench_minimax.py [--threads N] [--req
 1. Throughput: ``--requests`` prompts of 64 random tokens, 32 greedy tokens each; the engine batches them,
    HF ``generate`` runs them as one batch (its MiniMaxCache has no per-request admission). With ``--mixed``
    the workload of ``bench_engine.py`` instead: prompt lengths drawn from [16, 512] (seed 0, printed), 64
-   greedy tokens each, HF on one left-padded batch.
+   greedy tokens each, HF on one left-padded batch. ``--steps`` prints only the engine's prefill and decode
+   step times on that workload (no HF run).
 2. Decode time per token at context 256 and 4096 on the engine (one sequence): lightning layers cost the
    same at any context (fixed [H, D, D] state); only the two GQA layers grow with the context.
 """
@@ -58,6 +59,30 @@ def hf_throughput(path, prompts, new_tokens):
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
 
+def step_times(path, prompts, new_tokens, repeats=4):
+    """``engine.step`` wall times of the throughput workload, without the HF run: per repeat the prefill step
+    (all prompts in one step) and the median decode step; returns their means over ``repeats`` (the first
+    workload is a discarded warm-up)."""
+    from fastdeploy_ext import LLM, SamplingParams
+
+    llm = LLM(model=path, max_model_len=1024, max_num_seqs=len(prompts), max_num_batched_tokens=4096)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    prefill, decode = [], []
+    for r in range(repeats + 1):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{r}-{i}", None, p, params)
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        if r:
+            prefill.append(times[0])
+            decode.append(np.median(times[1:]))
+    return float(np.mean(prefill)) * 1e3, float(np.mean(decode)) * 1e3
+
+
 def decode_ms_per_token(path, context, new_tokens=32):
     """Median wall time of one decode step of a single sequence after a ``context``-token prefill."""
     from fastdeploy_ext import LLM, SamplingParams
@@ -84,6 +109,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 32 (64 with --mixed)")
     parser.add_argument("--mixed", action="store_true", help="bench_engine.py's workload: prompts of 16-512 tokens")
     parser.add_argument("--skip-context", action="store_true", help="skip the decode-vs-context timings")
+    parser.add_argument("--steps", action="store_true",
+                        help="only the engine's prefill and decode step times on the throughput workload")
     args = parser.parse_args()
     # Paddle's CPU kernels read OMP_NUM_THREADS when first imported; torch is told explicitly.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -104,6 +131,10 @@ def main():
         else:
             prompts = rng.integers(0, 500, size=(args.requests, 64)).tolist()
             new_tokens = args.new_tokens or 32
+        if args.steps:
+            prefill_ms, decode_ms = step_times(d, prompts, new_tokens)
+            print(f"engine step: prefill {prefill_ms:.1f} ms, decode {decode_ms:.2f} ms (means of 4 workloads)")
+            return
         eng = engine_throughput(d, prompts, new_tokens)
         hf = hf_throughput(d, prompts, new_tokens)
         shape = "16-512 (mixed)" if args.mixed else "64"

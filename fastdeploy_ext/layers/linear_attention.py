@@ -82,10 +82,14 @@ class LinearAttentionMetadata:
         return cls(nd, decode, prefill_cu, prefill_slots, cu_host, slots64, cu64)
 
 
+def _on_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+
+
 def select_lightning_ops(block_size: int):
     """``(prefill, decode)`` implementations, chosen once: Triton kernels on a GPU Paddle, the Paddle
     reference otherwise. Both follow the contract of ``ops/lightning_attn/reference.py``."""
-    if paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu"):
+    if _on_gpu():
         from fastdeploy_ext.ops.lightning_attn import triton_kernels
 
         def prefill_gpu(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):
@@ -134,6 +138,9 @@ class LinearAttention(nn.Layer):
         self.block_size = block_size
         self._decay_host = reference.decay(slopes.astype(np.float32))
         self._prefill_op, self._decode_op = select_lightning_ops(block_size)
+        # Chosen once with the ops: on CPU the whole layer after qkv_proj runs on the host arrays (no Paddle op
+        # per piece); elsewhere Paddle ops around the kernels. Tests run the second path on CPU too.
+        self._on_host = not _on_gpu()
 
     def _norm_weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:
@@ -149,7 +156,7 @@ class LinearAttention(nn.Layer):
         # fp32 from the activation on: the recurrence accumulates hundreds of k^T v terms (spec §6).
         qkv = self.qkv_proj(hidden).astype("float32")
         pool = forward_meta.state_pool[self.state_index]
-        if pool.place.is_cpu_place():
+        if self._on_host:
             return self._forward_host(hidden, _host(qkv).reshape(t, h, 3 * d), np.from_dlpack(pool), meta)
         q, k, v = (x.contiguous() for x in paddle.split(nn.functional.silu(qkv.reshape([t, h, 3 * d])), 3, axis=-1))
         nd = meta.num_decode

@@ -112,10 +112,13 @@ def _lightning_case(tmp_path, seed, slots):
     return attn, pool, reference, ref_state, hidden
 
 
-def test_lightning_layer_matches_float64_recurrence(tmp_path):
+@pytest.mark.parametrize("on_host", [True, False], ids=["host-path", "paddle-ops-path"])
+def test_lightning_layer_matches_float64_recurrence(tmp_path, on_host):
     """Step 1 prefills three sequences; step 2 mixes two decodes and a carried prefill chunk; state read and
-    written at the sequences' slots only (slot 3 stays untouched)."""
+    written at the sequences' slots only (slot 3 stays untouched). Both forward paths: the CPU host path and,
+    forced on CPU with the reference op, the Paddle-op path a GPU runs around the Triton kernels."""
     attn, pool, reference, ref_state, hidden = _lightning_case(tmp_path, 7, 4)
+    attn._on_host = on_host
     rng = np.random.default_rng(8)
     for lens, num_decode, slots in (([21, 9, 13], 0, [2, 0, 1]), ([1, 1, 30], 2, [0, 2, 1])):
         x = rng.standard_normal((sum(lens), hidden))

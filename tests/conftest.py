@@ -19,3 +19,13 @@ def tiny_qwen2_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny_qwen2"))
     write_tiny("Qwen2ForCausalLM", d, seed=0)
     return d
+
+
+@pytest.fixture
+def host_threads_set():
+    """``set(n)`` for the host thread pool; the count the test found is restored afterwards."""
+    from fastdeploy_ext.ops import host_threads
+
+    before = host_threads.host_threads()
+    yield host_threads.set_host_threads
+    host_threads.set_host_threads(before)

@@ -133,7 +133,7 @@ def test_lightning_layer_matches_float64_recurrence(tmp_path, on_host):
 
 
 @pytest.mark.parametrize("tokens", [1, 17, 255, 257])
-def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypatch, tokens):
+def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypatch, host_threads_set, tokens):
     """The CPU path at odd sizes: a prefill of ``tokens`` tokens, then ``tokens`` one-token decodes in one step,
     match the float64 recurrence; row chunks (a width that does not divide the chunk) and two host threads give
     the bits of one thread and whole-array passes, and so does the NumPy decode fallback of the MKL one."""
@@ -147,20 +147,16 @@ def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypat
         rng = np.random.default_rng(32)
         monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", chunk)
         monkeypatch.setattr(ref_op.cpu_gemm, "available", lambda mkl=mkl: mkl and cpu_gemm._library() is not None)
-        before = host_threads.host_threads()
-        host_threads.set_host_threads(threads)
-        try:
-            outs = []
-            for lens, num_decode in (([tokens], 0), ([1] * tokens, tokens)):
-                x = rng.standard_normal((sum(lens), hidden))
-                meta, lmeta = _step_meta(pool, lens, num_decode, slots[:len(lens)])
-                got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
-                starts = np.concatenate([[0], np.cumsum(lens)])
-                want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots[:len(lens)])])
-                assert rel_err(got, want) <= REL_TOL
-                outs.append(got)
-        finally:
-            host_threads.set_host_threads(before)
+        host_threads_set(threads)
+        outs = []
+        for lens, num_decode in (([tokens], 0), ([1] * tokens, tokens)):
+            x = rng.standard_normal((sum(lens), hidden))
+            meta, lmeta = _step_meta(pool, lens, num_decode, slots[:len(lens)])
+            got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
+            starts = np.concatenate([[0], np.cumsum(lens)])
+            want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots[:len(lens)])])
+            assert rel_err(got, want) <= REL_TOL
+            outs.append(got)
         results.append(outs)
     for a, b in zip(results[0], results[1]):
         assert np.array_equal(a, b)
@@ -293,19 +289,13 @@ def test_moe_batched_and_exact_paths_match_per_token_loop(monkeypatch, seed, tok
     assert bool(calls) == batched
 
 
-def test_moe_host_threads_do_not_change_results():
+def test_moe_host_threads_do_not_change_results(host_threads_set):
     """The NumPy activation split over host threads (large batches) is bit-equal to one thread."""
-    from fastdeploy_ext.ops import host_threads
-
     moe, gate, x, want = _moe_case(9, 700)
-    before = host_threads.host_threads()
-    try:
-        host_threads.set_host_threads(1)
-        one = moe(x, gate).numpy()
-        host_threads.set_host_threads(2)
-        two = moe(x, gate).numpy()
-    finally:
-        host_threads.set_host_threads(before)
+    host_threads_set(1)
+    one = moe(x, gate).numpy()
+    host_threads_set(2)
+    two = moe(x, gate).numpy()
     assert np.array_equal(one, two)
     assert rel_err(two, want) <= REL_TOL
 
@@ -344,23 +334,19 @@ def test_packed_weights_match_float64(rows):
 
 @pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
 @pytest.mark.parametrize("tokens", [1, 17, 255, 257])
-def test_moe_packed_chunks_and_threads_do_not_change_results(monkeypatch, tokens):
+def test_moe_packed_chunks_and_threads_do_not_change_results(monkeypatch, host_threads_set, tokens):
     """The packed path's activation and pair sum in row chunks (a width that does not divide the chunk) over
     two host threads give the bits of whole-array passes on one thread."""
     from fastdeploy_ext.ops import host_threads
 
     moe, gate, x, want = _moe_case(41, tokens)
     moe.process_weights_after_loading()
-    before = host_threads.host_threads()
-    try:
-        host_threads.set_host_threads(1)
-        monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1 << 30)
-        one = moe(x, gate).numpy()
-        host_threads.set_host_threads(2)
-        monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1000)
-        two = moe(x, gate).numpy()
-    finally:
-        host_threads.set_host_threads(before)
+    host_threads_set(1)
+    monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1 << 30)
+    one = moe(x, gate).numpy()
+    host_threads_set(2)
+    monkeypatch.setattr(host_threads, "CHUNK_ELEMENTS", 1000)
+    two = moe(x, gate).numpy()
     assert np.array_equal(one, two)
     assert rel_err(two, want) <= REL_TOL
 

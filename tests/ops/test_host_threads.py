@@ -10,11 +10,8 @@ from fastdeploy_ext.ops import host_threads
 
 
 @pytest.fixture
-def two_threads():
-    before = host_threads.host_threads()
-    host_threads.set_host_threads(2)
-    yield
-    host_threads.set_host_threads(before)
+def two_threads(host_threads_set):
+    host_threads_set(2)
 
 
 @pytest.mark.parametrize("n, min_size, want", [(10, 1, [(0, 5), (5, 10)]), (511, 256, [(0, 511)]),

@@ -71,7 +71,6 @@ def run_parallel(fn, items) -> None:
         future.result()
 
 
-
 def run_chunked(fn, n: int, width: int) -> None:
     """``fn(rows)`` over row slices covering ``[0, n)`` of arrays ``width`` elements wide: slices of about
     :data:`CHUNK_ELEMENTS` elements (a multi-pass elementwise loop keeps its operands in a core's L2), spread

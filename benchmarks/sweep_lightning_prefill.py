@@ -1,5 +1,5 @@
 """One-call device sweep of prefill kernel variants: median time and error vs the IEEE kernel (same inputs,
-same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16|gluon|gluon16}"""
+same start state). Usage: python benchmarks/sweep_lightning_prefill.py OUT.json {f32|bf16|gluon16|gluon32}"""
 import json, sys, time
 import torch
 from triton.testing import do_bench
@@ -11,14 +11,10 @@ C = tk.LaunchConfig
 def variants(bv, w, st):
     return [C(bv, w, st), C(bv, w, st, recompute_mask=True), C(bv, w, st, fold_offsets=True),
             C(bv, w, st, recompute_mask=True, fold_offsets=True)]
-if sys.argv[2] == "gluon":  # the Hopper kernel beside the Triton defaults
-    G = lambda bv, w: C(bv, w, 1, gluon=True)  # noqa: E731
-    CASES = [(64, torch.float32, [(64, c, None) for c in [C(32, 4, 1), G(64, 4), G(64, 8)]]),
-             (8, torch.float32, [(64, c, None) for c in [C(64, 4, 1), G(64, 4), G(64, 8)]]
-              + [(64, G(64, 8), s) for s in (1024, 4096)]),
-             (64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(64, 4), G(64, 8)]]),
-             (8, torch.bfloat16, [(64, c, None) for c in [C(64, 4, 2, fold_offsets=True), G(64, 4), G(64, 8)]]
-              + [(64, G(64, 8), s) for s in (1024, 4096)])]
+if sys.argv[2] == "gluon32":  # the warp-specialised float32 Gluon kernel beside the Triton default
+    G = C(64, 4, 2, gluon=True)
+    CASES = [(64, torch.float32, [(64, C(32, 4, 1), None), (64, G, None)]),
+             (8, torch.float32, [(64, C(64, 4, 1), None), (64, G, None)] + [(64, G, s) for s in (1024, 4096)])]
 elif sys.argv[2] == "gluon16":  # the copy-free bf16 Gluon kernel beside the Triton default
     G = lambda w, st: C(64, w, st, gluon=True)  # noqa: E731
     CASES = [(64, torch.bfloat16, [(64, c, None) for c in [C(32, 4, 2), G(4, 2), G(4, 3)]]),

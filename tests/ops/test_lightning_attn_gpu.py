@@ -177,28 +177,57 @@ def test_prefill_launch_variants(variant, precision):
     check_prefill(c, out, pool, IEEE_TOL if precision == "ieee" else TF32_TOL, per_block=True)
 
 
-GLUON = {"w8": LaunchConfig(64, 8, gluon=True), "w4": LaunchConfig(64, 4, gluon=True)}
+GLUON = {"s2": LaunchConfig(64, 4, 2, gluon=True)}
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="the Gluon kernel is sm_90"
 )
 
 
 @needs_hopper
-@pytest.mark.parametrize("warps", list(GLUON))
 @pytest.mark.parametrize("name", list(CASES))
-def test_prefill_gluon(name, warps):
+def test_prefill_gluon(name):
     # The Hopper kernel (default for many heads in TF32) on every case, with carried state and untouched slots.
     c = case(name)
-    out, pool = run_prefill(c, launch_config=GLUON[warps])
+    out, pool = run_prefill(c, launch_config=GLUON["s2"])
     check_prefill(c, out, pool, TF32_TOL, per_block=True)
 
 
 @needs_hopper
-@pytest.mark.parametrize("segment_len", [1024, 4096])
-def test_prefill_gluon_segmented(segment_len):
-    c = case("h8_n32768")
-    out, pool = run_prefill(c, launch_config=GLUON["w8"], segment_len=segment_len)
+@pytest.mark.parametrize("name, segment_len", [("h8_n32768", 1024), ("h8_n32768", 4096), ("h64_varlen", 128)])
+def test_prefill_gluon_segmented(name, segment_len):
+    # Split sequences: the float32 Gluon state pass (one program per head and job), the scan, then the output
+    # kernel. 128-token segments of the varlen case give jobs of 64 to 128 tokens and partial last chunks.
+    c = case(name)
+    out, pool = run_prefill(c, launch_config=GLUON["s2"], segment_len=segment_len)
     check_prefill(c, out, pool, TF32_TOL, per_block=True)
+    again, pool_again = run_prefill(c, launch_config=GLUON["s2"], segment_len=segment_len)
+    assert torch.equal(out, again) and torch.equal(pool, pool_again)  # repeated runs bit-identical (no race)
+
+
+@needs_hopper
+@pytest.mark.parametrize("seed, lengths", [(230, [1000]), (231, [17, 4096, 255]), (232, [32768])])
+def test_gluon_segment_state_pass(seed, lengths):
+    # Launch 1 alone vs float64: U = sum_j lam^(L-1-j) k_j^T v_j of every job, incl. partial chunks and a long job
+    # whose early weights underflow (H = 8 at the largest slopes).
+    import numpy as np
+
+    from fastdeploy_ext.ops.lightning_attn import gluon_kernels, triton_kernels
+
+    heads = 8
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k, v = (torch.randn(sum(lengths), heads, D, device="cuda", generator=gen) for _ in range(2))
+    slopes = minimax_slopes(heads, 0)
+    cu = np.array([0] + np.cumsum(lengths).tolist())
+    _, jobs, _, n_buf = triton_kernels._plan_segments(cu, 2048, 64)
+    jobs = np.concatenate([jobs, np.array([[s, e, n_buf + i] for i, (s, e) in enumerate(zip(cu[:-1], cu[1:]))],
+                                          dtype=np.int32)])
+    buf = torch.full((n_buf + len(lengths), heads, D, D), float("nan"), device="cuda")
+    gluon_kernels.segment_state(k, v, slopes, buf, torch.tensor(jobs, device="cuda"), jobs.shape[0], block_size=64)
+    lam = torch.exp(-slopes.double())
+    for start, end, dest in jobs.tolist():
+        w = lam[:, None] ** torch.arange(end - start - 1, -1, -1, device="cuda", dtype=torch.float64)[None, :]
+        ref = torch.einsum("ht,thk,thv->hkv", w, k[start:end].double(), v[start:end].double())
+        assert rel_err(buf[dest], ref) <= TF32_TOL, (start, end)
 
 
 GLUON16 = {f"s{st}": LaunchConfig(64, 4, st, gluon=True) for st in (2, 3)}
@@ -226,10 +255,11 @@ def test_prefill_gluon_bf16_segmented(segment_len):
 
 
 @needs_hopper
-@pytest.mark.parametrize("warps, stages", [(4, 1), (8, 3)])
-def test_prefill_gluon_bf16_rejects_other_launches(warps, stages):
-    c = case("h64_varlen", torch.bfloat16)
-    with pytest.raises(ValueError, match="num_warps 4 .* num_stages 2 or 3"):
+@pytest.mark.parametrize("dtype, warps, stages, want", [(torch.bfloat16, 4, 1, "2 or 3"), (torch.bfloat16, 8, 3, "2 or 3"),
+                                                        (torch.float32, 4, 3, "2"), (torch.float32, 8, 2, "2")])
+def test_prefill_gluon_rejects_other_launches(dtype, warps, stages, want):
+    c = case("h64_varlen", dtype)
+    with pytest.raises(ValueError, match=f"num_warps 4 .* num_stages {want} "):
         run_prefill(c, launch_config=LaunchConfig(64, warps, stages, gluon=True))
 
 
@@ -247,9 +277,9 @@ def test_default_prefill_picks_the_bf16_gluon_kernel_for_many_heads():
 def test_default_prefill_picks_gluon_for_many_heads():
     c = case("h64_varlen")
     out_default, pool_default = run_prefill(c)
-    out_gluon, pool_gluon = run_prefill(c, launch_config=GLUON["w8"])
+    out_gluon, pool_gluon = run_prefill(c, launch_config=GLUON["s2"])
     assert torch.equal(out_default, out_gluon) and torch.equal(pool_default, pool_gluon)
-    out_b, _ = run_prefill(c, launch_config=GLUON["w8"])
+    out_b, _ = run_prefill(c, launch_config=GLUON["s2"])
     assert torch.equal(out_gluon, out_b)  # repeated runs bit-identical (no race)
 
 
@@ -257,7 +287,7 @@ def test_default_prefill_picks_gluon_for_many_heads():
 def test_prefill_gluon_rejects_ieee():
     c = case("h64_varlen")
     with pytest.raises(ValueError, match="launch_config.gluon needs .*precision='tf32'"):
-        run_prefill(c, precision="ieee", launch_config=GLUON["w8"])
+        run_prefill(c, precision="ieee", launch_config=GLUON["s2"])
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
@@ -343,6 +373,31 @@ def test_decode(batch):
     untouched = torch.ones(num_slots, dtype=torch.bool, device="cuda")
     untouched[live_slots] = False
     assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("seed", [250, 251])
+def test_decode_compiled_launch_follows_specialisation(seed):
+    # launch_compiled reuses a compiled kernel per specialisation key. Alternate what Triton specialises on in one
+    # process: num_slots == 1 (compiled as a constant), divisible by 16, neither; q 4 bytes off 16-byte alignment.
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    heads, batch = 8, 3
+    slopes = minimax_slopes(heads, 11)
+    for num_slots, misaligned in [(1, False), (16, False), (7, True), (1, True), (16, False), (7, False)]:
+        q, k, v = (torch.randn(batch, heads, D, device="cuda", generator=gen) for _ in range(3))
+        if misaligned:
+            q = torch.cat([torch.zeros(1, device="cuda"), q.flatten()])[1:].view(batch, heads, D)
+            assert q.data_ptr() % 16 != 0
+        pool = torch.randn(num_slots, heads, D, D, device="cuda", generator=gen)
+        live = [0, 2] if num_slots > 1 else [0]
+        slots = torch.tensor([0, -1, num_slots - 1 if num_slots > 1 else -1], dtype=torch.int32, device="cuda")
+        new_pool = pool.clone()
+        out = lightning_attn_decode(q, k, v, slopes, new_pool, slots)
+        lam = torch.exp(-slopes.double())[:, None, None]
+        for b in live:
+            ref_state = lam * pool[slots[b]].double() + k[b].double().unsqueeze(2) * v[b].double().unsqueeze(1)
+            assert rel_err(out[b], torch.einsum("hd,hde->he", q[b].double(), ref_state)) <= IEEE_TOL
+            assert rel_err(new_pool[slots[b]], ref_state) <= IEEE_TOL
+        assert torch.all(out[1] == 0)
 
 
 def test_decode_cuda_graph_replay():

@@ -1,30 +1,24 @@
-"""Hopper (sm_90) prefill output pass for lightning attention, written in Gluon (Triton's explicit-layout dialect).
+"""Hopper (sm_90) prefill kernels for lightning attention, written in Gluon (Triton's explicit-layout dialect).
 
-Same job and segment table as ``triton_kernels._segment_output_kernel``: one program per (64-wide value tile,
-head, segment) walks its segment in 64-token chunks carrying the state. Triton's own schedule for that loop
-kept every float32 configuration at the 255-register cap with spills; here the schedule is explicit
-(``_output_kernel``, float32 inputs):
+The output pass has the same job and segment table as ``triton_kernels._segment_output_kernel``: one program per
+(64-wide value tile, head, segment) walks its segment in 64-token chunks carrying the state. Triton's own schedule
+for that loop kept every float32 configuration at the 255-register cap with spills; here the schedule is explicit
+and warp-specialised: a TMA warp fills a shared-memory ring, a state warpgroup runs only the recurrence and
+publishes each chunk's starting state, and the default warpgroup computes the output.
 
-- q and k chunks arrive by TMA in a two-stage shared-memory ring (chunk ``c + 1`` in flight while ``c`` is
-  computed); v is prefetched one chunk ahead into registers, which it needs anyway to be transposed.
-- All four products run on ``wgmma`` (TF32 for float32 inputs). TF32 ``wgmma`` takes shared operands only
-  K-major, so the operands that contract over tokens are copied token-contiguous once per chunk: ``V^T`` and
-  ``(diag(kd) K)^T``, from registers holding four consecutive tokens per thread (16-byte stores; a row-per-thread
-  layout made these copies cost two thirds of the kernel).
-- The state is carried transposed, ``S^T [BV, D]`` in ``wgmma`` accumulator registers, so it is stored
-  row-major as the K-major operand of ``Q S`` and updated as ``S^T <- lam^m S^T + V^T (diag(kd) K)`` with both
-  operands in shared memory.
-- ``Q K^T``, ``Q S`` and the state update are issued together; ``P V`` follows once the scores are masked.
+- ``_output_kernel_ws`` (bf16 inputs): 16-bit ``wgmma`` takes MN-major shared operands, so q, k and v are used
+  where TMA lands them and full output chunks leave by TMA.
+- ``_output_kernel_ws32`` (float32 inputs, TF32 products): TF32 ``wgmma`` takes shared operands only K-major, so
+  the state warpgroup makes one token-contiguous copy per chunk (``V^T``, for ``P V`` and the state update) and
+  carries the state untransposed so that its update reads k transposed into registers instead of a second copy.
+- ``_segment_state_kernel`` (float32, split sequences): launch 1 of a split prefill, one program per (head, job).
 
-bf16 inputs go to ``_output_kernel_ws``, which needs none of the copies (16-bit ``wgmma`` takes MN-major shared
-operands) and is warp-specialised: a TMA warp fills a three-stage ring with q, k and v; a state warpgroup runs
-only the recurrence and publishes each chunk's starting state; the default warpgroup computes the output and
-stores full chunks by TMA.
-
-H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.63 ms at H = 64 against 3.3 ms for the Triton
-kernel, 0.34 vs 0.48 ms at H = 8 (split into segments); bf16 in/out 0.80 vs 1.41 ms at H = 64. At H = 8 with bf16
-the Triton kernel stays the default. IEEE mode always uses the Triton kernel.
+H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.42 ms at H = 64 (the earlier single-partition
+Gluon kernel 1.67, the Triton kernel 3.3), bf16 in/out 0.80 vs 1.41 ms for Triton. At H = 8 with bf16 the Triton
+kernel stays the default. IEEE mode always uses the Triton kernels.
 """
+
+import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -37,9 +31,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["descriptors", "prefill_output", "supports"]
+from fastdeploy_ext.ops.lightning_attn.launcher import launch_compiled
 
-_STAGES = gl.constexpr(2)
+__all__ = ["descriptors", "prefill_output", "segment_state", "supports"]
+
 
 
 def supports(head_dim, block_size, dtype_name):
@@ -70,33 +65,10 @@ _shared = gluon.constexpr_function(_nvmma_shared)
 
 
 @gluon.jit
-def _output_kernel(
-    q_desc,
-    k_desc,
-    v_ptr,
-    o_ptr,
-    slopes_ptr,
-    pool_ptr,
-    buf_ptr,
-    seg_ptr,  # [n_segs, 5] int32: start, end, sequence, flags, buffer
-    slot_ids_ptr,
-    num_slots,
-    H: gl.constexpr,
-    D: gl.constexpr,
-    BT: gl.constexpr,
-    BV: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = q_desc.dtype
-    bits: gl.constexpr = dtype.primitive_bitwidth
-    K_STEP: gl.constexpr = 256 // bits
-    L_S: gl.constexpr = _mma_layout(BT, BT, num_warps, K_STEP)  # scores [BT, BT]
-    L_O: gl.constexpr = _mma_layout(BT, BV, num_warps, K_STEP)  # output [BT, BV]
-    L_ST: gl.constexpr = _mma_layout(BV, D, num_warps, K_STEP)  # transposed state S^T [BV, D]
-    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=32 // bits)
-    # Four consecutive tokens per thread: the token-contiguous copies below become 16-byte stores.
-    TOK: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [num_warps, 1], [0, 1])
-
+def _segment_job(seg_ptr, slot_ids_ptr, slopes_ptr, pool_ptr, buf_ptr, num_slots, H: gl.constexpr, D: gl.constexpr,
+                 BV: gl.constexpr):
+    # This program's (value tile, head, segment) job: token range, decay, where its D x BV state tile starts
+    # (the pool for a sequence's first segment, the scan buffer otherwise) and ends (the pool, last segment only).
     i_v = gl.program_id(0)
     i_h = gl.program_id(1)
     i_s = gl.program_id(2)
@@ -107,98 +79,13 @@ def _output_kernel(
     flags = gl.load(seg_ptr + i_s * 5 + 3)
     buf = gl.load(seg_ptr + i_s * 5 + 4).to(gl.int64)
     neg_s = -gl.load(slopes_ptr + i_h)
-
-    # The state is carried transposed, S^T [BV, D], so that it is stored row-major as Q S's K-major operand
-    # and updated by S^T += V^T (diag(kd) K) with both operands in shared memory. int64 appears only in
-    # scalar bases; tile offsets are int32 and fold into immediates.
-    st_v = gl.arange(0, BV, layout=gl.SliceLayout(1, L_ST))
-    st_k = gl.arange(0, D, layout=gl.SliceLayout(0, L_ST))
-    st_offs = st_k[None, :] * D + st_v[:, None]
-    if (flags & 2) != 0:
-        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
-        state = gl.load(base + st_offs, mask=slot_ok & (st_v >= 0)[:, None], other=0.0)
-    else:
-        state = gl.load(buf_ptr + (buf * H + i_h) * D * D + i_v * BV + st_offs)
-
-    q_smem = gl.allocate_shared_memory(dtype, [_STAGES, BT, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [_STAGES, BT, D], k_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    # K-major operands for the products that contract over tokens: V^T and (diag(kd) K)^T, token-contiguous.
-    vt_smem = gl.allocate_shared_memory(dtype, [BV, BT], _shared([BV, BT], bits))
-    kt_smem = gl.allocate_shared_memory(dtype, [D, BT], _shared([D, BT], bits))
-    st_smem = gl.allocate_shared_memory(dtype, [BV, D], _shared([BV, D], bits))
-
-    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
-    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
-    causal = s_rows[:, None] >= s_cols[None, :]
-    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
-    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
-    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
-    t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, TOK))
-    v_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, TOK))
-    v_tile = t_rows[:, None] * (H * D) + v_cols[None, :]
-    col0 = i_h * D + i_v * BV
-
-    n_chunks = gl.cdiv(end - start, BT)
-    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
-    mbarrier.expect(bars.index(0), nbytes)
-    tma.async_copy_global_to_shared(q_desc, [start, i_h * D], bars.index(0), q_smem.index(0))
-    tma.async_copy_global_to_shared(k_desc, [start, i_h * D], bars.index(0), k_smem.index(0))
-    # V goes through registers anyway (to be transposed), so it is prefetched there one chunk ahead.
-    v_next = gl.load(v_ptr + (start.to(gl.int64) * (H * D) + col0) + v_tile, mask=(t_rows < end - start)[:, None],
-                     other=0.0)
-    for c in range(n_chunks):
-        stage = c % _STAGES
-        t0 = start + c * BT
-        m = gl.minimum(end - t0, BT)
-        nxt = (c + 1) % _STAGES
-        more = c + 1 < n_chunks
-        mbarrier.expect(bars.index(nxt), nbytes, pred=more)
-        tma.async_copy_global_to_shared(q_desc, [t0 + BT, i_h * D], bars.index(nxt), q_smem.index(nxt), pred=more)
-        tma.async_copy_global_to_shared(k_desc, [t0 + BT, i_h * D], bars.index(nxt), k_smem.index(nxt), pred=more)
-        v = v_next
-        v_next = gl.load(v_ptr + ((t0 + BT).to(gl.int64) * (H * D) + col0) + v_tile,
-                         mask=(t_rows < end - t0 - BT)[:, None], other=0.0)
-        mbarrier.wait(bars.index(stage), phase=(c // _STAGES) & 1)
-        qs = q_smem.index(stage)
-        ks = k_smem.index(stage)
-
-        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): the causal mask keeps
-        # them out of valid outputs and kd = 0 keeps them out of the state.
-        kd = gl.where(t_rows < m, gl.exp(neg_s * (m - 1 - t_rows).to(gl.float32)), 0.0)
-        kt_smem.permute((1, 0)).store((ks.load(TOK).to(gl.float32) * kd[:, None]).to(dtype))
-        vt_smem.permute((1, 0)).store(v)
-        st_smem.store(state.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-
-        scores = warpgroup_mma(qs, ks.permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S), use_acc=False,
-                               is_async=True)
-        inter = warpgroup_mma(qs, st_smem.permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O), use_acc=False,
-                              is_async=True)
-        state = warpgroup_mma(vt_smem, kt_smem.permute((1, 0)), state * gl.exp(neg_s * m.to(gl.float32)),
-                              is_async=True)
-        # The decay mask is rebuilt per chunk (m keeps it in the loop) so it holds no registers across it.
-        neg_s_m = neg_s + 0.0 * m.to(gl.float32)
-        intra = gl.where(causal, gl.exp(neg_s_m * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
-        scores, inter = warpgroup_mma_wait(num_outstanding=1, deps=(scores, inter))
-        p = gl.convert_layout((scores * intra).to(dtype), A_O)
-        o = warpgroup_mma(p, vt_smem.permute((1, 0)), inter * q_decay[:, None], is_async=True)
-        o, state = warpgroup_mma_wait(num_outstanding=0, deps=(o, state))
-
-        o_base = o_ptr + (t0.to(gl.int64) * (H * D) + col0)
-        gl.store(o_base + (o_rows[:, None] * (H * D) + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
-                 mask=(o_rows < m)[:, None])
-        # Every warp is done with this stage and the copies before they are overwritten.
-        gl.thread_barrier()
-
-    for i in gl.static_range(_STAGES):
-        mbarrier.invalidate(bars.index(i))
-    if (flags & 1) != 0:
-        base = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
-        gl.store(base + st_offs, state, mask=slot_ok & (st_v >= 0)[:, None])
+    from_pool = (flags & 2) != 0
+    # An out-of-range slot (check_slots=False) starts from zero and is never written: no access out of bounds.
+    pool_at = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
+    state_in = gl.where(from_pool, pool_at, buf_ptr + (buf * H + i_h) * D * D + i_v * BV)
+    read_ok = slot_ok | (not from_pool)
+    write_ok = ((flags & 1) != 0) & slot_ok
+    return start, end, neg_s, state_in, pool_at, read_ok, write_ok
 
 
 # Partitions of the warp-specialised bf16 kernel. Triton 3.6 hands worker partitions no constexprs (they
@@ -338,7 +225,7 @@ def _output_kernel_ws(
     STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """bf16 inputs, warp-specialised; same job and segment table as ``_output_kernel``.
+    """bf16 inputs, warp-specialised; same job and segment table as the Triton output kernel.
 
     No copies: q, k and v are used where TMA lands them (``V`` as the MN-major B operand of ``P V``, ``K`` as
     that of the state update ``S^T <- lam^m S^T + (diag(kd) V)^T K``, whose A operand is loaded transposed from
@@ -355,22 +242,10 @@ def _output_kernel_ws(
     against the 3e-3 bound.
     """
     dtype: gl.constexpr = q_desc.dtype
+    start, end, neg_s, state_in, pool_at, read_ok, write_ok = _segment_job(seg_ptr, slot_ids_ptr, slopes_ptr, pool_ptr,
+                                                                          buf_ptr, num_slots, H, D, BV)
     i_v = gl.program_id(0)
     i_h = gl.program_id(1)
-    i_s = gl.program_id(2)
-    start = gl.load(seg_ptr + i_s * 5)
-    end = gl.load(seg_ptr + i_s * 5 + 1)
-    slot = gl.load(slot_ids_ptr + gl.load(seg_ptr + i_s * 5 + 2)).to(gl.int64)
-    slot_ok = (slot >= 0) & (slot < num_slots)
-    flags = gl.load(seg_ptr + i_s * 5 + 3)
-    buf = gl.load(seg_ptr + i_s * 5 + 4).to(gl.int64)
-    neg_s = -gl.load(slopes_ptr + i_h)
-    from_pool = (flags & 2) != 0
-    pool_at = pool_ptr + (gl.where(slot_ok, slot, 0) * H + i_h) * D * D + i_v * BV
-    # First segment of a sequence: starts from the pool; later ones from the scan buffer. Last: ends in the pool.
-    state_in = gl.where(from_pool, pool_at, buf_ptr + (buf * H + i_h) * D * D + i_v * BV)
-    read_ok = slot_ok | (not from_pool)
-    write_ok = ((flags & 1) != 0) & slot_ok
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BT, D], k_desc.layout)
@@ -398,15 +273,273 @@ def _output_kernel_ws(
     ], [1, 4], [24, 232])
 
 
-def descriptors(q, k, block_size, *, v=None, block_v=None, out=None):
-    """TMA descriptors over ``[T, H * D]`` views of q and k (and v, out in ``block_v``-wide tiles), torch tensors."""
-    bits = 32 if q.dtype.itemsize == 4 else 16
-    tiles = [(q, q.shape[2]), (k, k.shape[2])] + [(t, block_v) for t in (v, out) if t is not None]
+# Partitions of the warp-specialised float32 kernel. TF32 ``wgmma`` takes shared operands only K-major, so this
+# kernel keeps one token-contiguous copy per chunk (``V^T``, made by the state warpgroup from a register prefetch)
+# and carries the state untransposed, ``S [D, BV]``, whose update ``S <- lam^m S + (diag(kd) K)^T V`` then takes
+# its A operand from registers (k read transposed out of the ring) and its B operand from that copy.
+@gluon.jit
+def _ws32_output(q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_free, o_ptr, start, end, n_chunks, neg_s,
+                 col0, row_stride):
+    # Default partition: Q K^T, Q S_prev (the state warpgroup's S^T copy), P V (its V^T copy) and the output.
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    BV: gl.constexpr = vt_smem.type.shape[1]
+    L_S: gl.constexpr = _mma_layout(BT, BT, gl.num_warps(), 8)
+    L_O: gl.constexpr = _mma_layout(BT, BV, gl.num_warps(), 8)
+    A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=1)
+    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
+    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
+    intra = gl.where(s_rows[:, None] >= s_cols[None, :],
+                     gl.exp(neg_s * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
+    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
+    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
+    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    for c in range(n_chunks):
+        stage = c % STAGES
+        b = c % 2
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        qs = q_smem.index(stage)
+        scores = warpgroup_mma(qs, k_smem.index(stage).permute((1, 0)), gl.zeros([BT, BT], gl.float32, L_S),
+                               use_acc=False, is_async=True)
+        mbarrier.wait(st_ready.index(b), (c // 2) & 1)
+        inter = warpgroup_mma(qs, st_smem.index(b).permute((1, 0)), gl.zeros([BT, BV], gl.float32, L_O),
+                              use_acc=False, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+        p = gl.convert_layout(scores * intra, A_O)
+        inter = warpgroup_mma_wait(num_outstanding=0, deps=(inter,))
+        o = warpgroup_mma(p, vt_smem.index(b).permute((1, 0)), inter * q_decay[:, None])
+        gl.thread_barrier()
+        mbarrier.arrive(st_free.index(b))
+        mbarrier.arrive(empty.index(stage))
+        # Two consecutive float32 per thread fill whole 32-byte sectors, so plain stores do (TMA stores paid
+        # off only for bf16). Rows past the segment belong to the next sequence and stay masked.
+        t0 = start + c * BT
+        o_base = o_ptr + (t0.to(gl.int64) * row_stride + col0)
+        gl.store(o_base + (o_rows[:, None] * row_stride + o_cols[None, :]), o.to(o_ptr.dtype.element_ty),
+                 mask=(o_rows < end - t0)[:, None])
+
+
+@gluon.jit
+def _ws32_load(q_desc, k_desc, q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_free, v_ptr, start, end,
+               n_chunks, neg_s, col_q, col0, row_stride, state_in, state_out, read_ok, write_ok):
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    nbytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+    for c in range(n_chunks):
+        stage = c % STAGES
+        mbarrier.wait(empty.index(stage), ((c // STAGES) & 1) ^ 1)
+        t0 = start + c * BT
+        mbarrier.expect(ready.index(stage), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [t0, col_q], ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [t0, col_q], ready.index(stage), k_smem.index(stage))
+
+
+@gluon.jit
+def _ws32_state(q_desc, k_desc, q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_free, v_ptr, start, end,
+                n_chunks, neg_s, col_q, col0, row_stride, state_in, state_out, read_ok, write_ok):
+    # The recurrence S <- lam^m S + (diag(kd) K)^T V; publishes each chunk's V^T and starting state (as S^T).
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    BT: gl.constexpr = q_smem.type.shape[1]
+    D: gl.constexpr = q_smem.type.shape[2]
+    BV: gl.constexpr = vt_smem.type.shape[1]
+    L_S: gl.constexpr = _mma_layout(D, BV, gl.num_warps(), 8)
+    A_S: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_S, k_width=1)
+    # Four consecutive tokens per thread: the V^T copy becomes 16-byte stores, and a warp's load reads 128
+    # contiguous bytes of each token row.
+    TOK: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [gl.num_warps(), 1], [0, 1])
+    s_k = gl.arange(0, D, layout=gl.SliceLayout(1, L_S))
+    s_v = gl.arange(0, BV, layout=gl.SliceLayout(0, L_S))
+    s_offs = s_k[:, None] * D + s_v[None, :]
+    state = gl.load(state_in + s_offs, mask=read_ok & (s_k >= 0)[:, None], other=0.0)
+    a_toks = gl.arange(0, BT, layout=gl.SliceLayout(0, A_S))
+    t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, TOK))
+    v_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, TOK))
+    v_tile = t_rows[:, None] * row_stride + v_cols[None, :]
+    v_next = gl.load(v_ptr + (start.to(gl.int64) * row_stride + col0) + v_tile, mask=(t_rows < end - start)[:, None],
+                     other=0.0)
+    for c in range(n_chunks):
+        stage = c % STAGES
+        b = c % 2
+        t0 = start + c * BT
+        m = gl.minimum(end - t0, BT)
+        v = v_next
+        v_next = gl.load(v_ptr + ((t0 + BT).to(gl.int64) * row_stride + col0) + v_tile,
+                         mask=(t_rows < end - t0 - BT)[:, None], other=0.0)
+        mbarrier.wait(st_free.index(b), ((c // 2) & 1) ^ 1)
+        vt_smem.index(b).permute((1, 0)).store(v.to(gl.float32))
+        st_smem.index(b).permute((1, 0)).store(state)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(st_ready.index(b))
+        mbarrier.wait(ready.index(stage), (c // STAGES) & 1)
+        # Rows past the segment hold the next sequence's tokens (or TMA zero fill): kd = 0 keeps them out.
+        kd = gl.where(a_toks < m, gl.exp(neg_s * (m - 1 - a_toks).to(gl.float32)), 0.0)
+        kt = k_smem.index(stage).permute((1, 0)).load(A_S) * kd[None, :]
+        state = warpgroup_mma(kt, vt_smem.index(b).permute((1, 0)), state * gl.exp(neg_s * m.to(gl.float32)))
+        # The k tile was read through the generic proxy; order that before the next TMA write into the stage.
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(stage))
+    gl.store(state_out + s_offs, state, mask=write_ok & (s_k >= 0)[:, None])
+
+
+@gluon.jit
+def _output_kernel_ws32(
+    q_desc,
+    k_desc,
+    v_ptr,
+    o_ptr,
+    slopes_ptr,
+    pool_ptr,
+    buf_ptr,
+    seg_ptr,  # [n_segs, 5] int32: start, end, sequence, flags, buffer
+    slot_ids_ptr,
+    num_slots,
+    H: gl.constexpr,
+    D: gl.constexpr,
+    BT: gl.constexpr,
+    BV: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """float32 inputs, warp-specialised; same job and segment table as the Triton output kernel.
+
+    A TMA warp fills a ``STAGES``-deep ring with q and k. The state warpgroup prefetches v into registers, writes
+    ``V^T`` and the chunk's starting state ``S^T`` into one of two shared buffers (by chunk parity) and runs the
+    recurrence. The default warpgroup computes ``Q K^T``, ``Q S``, ``P V`` and stores the output.
+    Shared memory at STAGES = 2: 128 KB ring, 32 KB ``V^T``, 64 KB ``S^T``.
+    """
+    start, end, neg_s, state_in, pool_at, read_ok, write_ok = _segment_job(seg_ptr, slot_ids_ptr, slopes_ptr, pool_ptr,
+                                                                          buf_ptr, num_slots, H, D, BV)
+    q_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BT, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BT, D], k_desc.layout)
+    vt_smem = gl.allocate_shared_memory(gl.float32, [2, BV, BT], _shared([BV, BT], 32))
+    st_smem = gl.allocate_shared_memory(gl.float32, [2, BV, D], _shared([BV, D], 32))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # released by the state warpgroup and the chunk's output warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(st_ready.index(i), count=1)
+        mbarrier.init(st_free.index(i), count=1)
+    n_chunks = gl.cdiv(end - start, BT)
+    i_h = gl.program_id(1)
+    col0 = i_h * D + gl.program_id(0) * BV
+    work = (q_desc, k_desc, q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_free, v_ptr, start, end,
+            n_chunks, neg_s, i_h * D, col0, H * D, state_in, pool_at, read_ok, write_ok)
+    gl.warp_specialize([
+        (_ws32_output, (q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_free, o_ptr, start, end, n_chunks,
+                        neg_s, col0, H * D)),
+        (_ws32_load, work),
+        (_ws32_state, work),
+    ], [1, 4], [24, 232])
+
+
+@gluon.jit
+def _segment_state_kernel(
+    k_desc,
+    v_ptr,
+    slopes_ptr,
+    buf_ptr,  # [n_buf, H, D, D] fp32
+    jobs_ptr,  # [n_jobs, 3] int32: token start, token end, destination buffer index
+    H: gl.constexpr,
+    D: gl.constexpr,
+    BT: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """float32 segment-local state ``U = sum_j lam^(L-1-j) k_j^T v_j`` (launch 1 of a split prefill), one program per
+    (head, job) for the whole D x D state, so k is read once (the Triton kernel's 64-wide value tiles read it twice).
+
+    Each token is weighted by its decay to the end of the job directly, so the accumulator is never rescaled and
+    the products chain on ``wgmma``: A = (diag(w) K)^T from registers (k read transposed out of a ``STAGES``-deep
+    TMA ring), B = a token-contiguous copy of V made from a register prefetch. A weight that underflows belongs
+    to a token whose contribution is below float32 resolution of the recent ones.
+    """
+    L_U: gl.constexpr = _mma_layout(D, D, num_warps, 8)
+    A_U: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_U, k_width=1)
+    TOK: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [num_warps, 1], [0, 1])
+    i_h = gl.program_id(1)
+    i_j = gl.program_id(2)
+    start = gl.load(jobs_ptr + i_j * 3)
+    end = gl.load(jobs_ptr + i_j * 3 + 1)
+    dest = gl.load(jobs_ptr + i_j * 3 + 2).to(gl.int64)
+    neg_s = -gl.load(slopes_ptr + i_h)
+
+    k_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BT, D], k_desc.layout)
+    vt_smem = gl.allocate_shared_memory(gl.float32, [2, D, BT], _shared([D, BT], 32))
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    n_chunks = gl.cdiv(end - start, BT)
+    nbytes: gl.constexpr = k_desc.block_type.nbytes
+    for i in gl.static_range(STAGES - 1):
+        mbarrier.expect(bars.index(i), nbytes, pred=i < n_chunks)
+        tma.async_copy_global_to_shared(k_desc, [start + i * BT, i_h * D], bars.index(i), k_smem.index(i),
+                                        pred=i < n_chunks)
+    t_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, TOK))
+    v_tile = t_rows[:, None] * (H * D) + gl.arange(0, D, layout=gl.SliceLayout(0, TOK))[None, :]
+    v_next = gl.load(v_ptr + (start.to(gl.int64) * (H * D) + i_h * D) + v_tile, mask=(t_rows < end - start)[:, None],
+                     other=0.0)
+    a_toks = gl.arange(0, BT, layout=gl.SliceLayout(0, A_U))
+    acc = gl.zeros([D, D], gl.float32, L_U)
+    for c in range(n_chunks):
+        stage = c % STAGES
+        b = c % 2
+        t0 = start + c * BT
+        v = v_next
+        v_next = gl.load(v_ptr + ((t0 + BT).to(gl.int64) * (H * D) + i_h * D) + v_tile,
+                         mask=(t_rows < end - t0 - BT)[:, None], other=0.0)
+        # Buffer b was last read by chunk c - 2's product, complete since the wait at the end of chunk c - 1.
+        vt_smem.index(b).permute((1, 0)).store(v)
+        # Also orders chunk c - 1's generic reads of its k stage before the TMA refill below.
+        fence_async_shared()
+        gl.thread_barrier()
+        ahead = c + STAGES - 1
+        mbarrier.expect(bars.index(ahead % STAGES), nbytes, pred=ahead < n_chunks)
+        tma.async_copy_global_to_shared(k_desc, [start + ahead * BT, i_h * D], bars.index(ahead % STAGES),
+                                        k_smem.index(ahead % STAGES), pred=ahead < n_chunks)
+        mbarrier.wait(bars.index(stage), (c // STAGES) & 1)
+        # Rows past the job hold the next segment's tokens (or TMA zero fill): weight 0 keeps them out.
+        w = gl.where(a_toks < end - t0, gl.exp(neg_s * (end - 1 - t0 - a_toks).to(gl.float32)), 0.0)
+        kt = k_smem.index(stage).permute((1, 0)).load(A_U) * w[None, :]
+        acc = warpgroup_mma(kt, vt_smem.index(b).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    u_k = gl.arange(0, D, layout=gl.SliceLayout(1, L_U))
+    u_v = gl.arange(0, D, layout=gl.SliceLayout(0, L_U))
+    gl.store(buf_ptr + (dest * H + i_h) * D * D + (u_k[:, None] * D + u_v[None, :]), acc)
+
+
+def segment_state(k, v, slopes, buf, jobs_t, n_jobs, *, block_size, num_warps=8, stages=3):
+    """Launch 1 of a split float32 prefill on Hopper (torch tensors): U of every job into ``buf``."""
+    num_heads, head_dim = k.shape[1], k.shape[2]
+    (k_d,) = descriptors(k, block_size=block_size)
+    launch_compiled(_segment_state_kernel, (1, num_heads, n_jobs), (k_d, v, slopes, buf, jobs_t),
+                    dict(H=num_heads, D=head_dim, BT=block_size, STAGES=stages, num_warps=num_warps), k.device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_layout(rows, cols, bitwidth):
+    # Building the layout object costs ~7 us of host time per descriptor; the prefill is host-bound at few heads.
+    return _nvmma_shared([rows, cols], bitwidth)
+
+
+def descriptors(*qk, block_size, v=None, block_v=None, out=None):
+    """TMA descriptors over ``[T, H * D]`` views of q, k (whole heads) and v, out (``block_v``-wide tiles), torch
+    tensors."""
+    bits = 32 if qk[0].dtype.itemsize == 4 else 16
+    tiles = [(t, t.shape[2]) for t in qk] + [(t, block_v) for t in (v, out) if t is not None]
     descs = []
     for t, width in tiles:
         flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
         block = [block_size, width]
-        descs.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], block, _nvmma_shared(block, bits)))
+        descs.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], block, _host_layout(*block, bits)))
     return descs
 
 
@@ -414,16 +547,12 @@ def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_s
                    num_warps=4, stages=3):
     num_heads, head_dim = q.shape[1], q.shape[2]
     grid = (head_dim // block_v, num_heads, n_segs)
+    meta = dict(H=num_heads, D=head_dim, BT=block_size, BV=block_v, STAGES=stages, num_warps=num_warps)
     if q.dtype.itemsize == 2:
-        q_d, k_d, v_d, o_d = descriptors(q, k, block_size, v=v, block_v=block_v, out=out)
-        _output_kernel_ws[grid](
-            q_d, k_d, v_d, o_d, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
-            H=num_heads, D=head_dim, BT=block_size, BV=block_v, STAGES=stages, num_warps=num_warps,
-        )
-        return out
-    q_d, k_d = descriptors(q, k, block_size)
-    _output_kernel[grid](
-        q_d, k_d, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots,
-        H=num_heads, D=head_dim, BT=block_size, BV=block_v, num_warps=num_warps,
-    )
+        q_d, k_d, v_d, o_d = descriptors(q, k, block_size=block_size, v=v, block_v=block_v, out=out)
+        kernel, args = _output_kernel_ws, (q_d, k_d, v_d, o_d, out)
+    else:
+        q_d, k_d = descriptors(q, k, block_size=block_size)
+        kernel, args = _output_kernel_ws32, (q_d, k_d, v, out)
+    launch_compiled(kernel, grid, args + (slopes, state_pool, buf, seg_t, slot_ids, num_slots), meta, q.device.index)
     return out

@@ -292,10 +292,11 @@ _GLUON_FEW_HEADS_MIN_TOKENS = 16384
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False, total_tokens=None):
     """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
 
-    TF32 mode on Hopper (``gluon_ok``): the Gluon kernels, BV = 64. float32 inputs with 8 warps (H = 64: 1.64 vs
-    3.3 ms; H = 8, split into segments, from ``_GLUON_FEW_HEADS_MIN_TOKENS`` tokens on: 0.34 vs 0.48 ms); bf16
-    inputs, many heads: the warp-specialised kernel with a three-stage ring (H = 64: 0.80 vs 1.41 ms). bf16 at
-    H = 8 stays on Triton (0.26 ms; the Gluon kernels tied there before the warp-specialised one).
+    TF32 mode on Hopper (``gluon_ok``): the warp-specialised Gluon kernels, BV = 64, a 4-warp output warpgroup.
+    float32 inputs with a two-stage ring (all shared memory allows; H = 64: 1.42 vs 3.3 ms for Triton; H = 8, split
+    into segments, from ``_GLUON_FEW_HEADS_MIN_TOKENS`` tokens on, with the Gluon state pass); bf16 inputs, many
+    heads, a three-stage ring (H = 64: 0.80 vs 1.41 ms). bf16 at H = 8 stays on Triton (0.26 ms; the Gluon kernels
+    tied there before the warp-specialised one).
 
     Triton otherwise. Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting
     sequences (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
@@ -304,7 +305,7 @@ def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_o
     """
     few_heads_short = num_heads < 32 and (total_tokens or 0) < _GLUON_FEW_HEADS_MIN_TOKENS
     if gluon_ok and dtype_name == "float32" and not few_heads_short:
-        return LaunchConfig(block_v=64, num_warps=8, gluon=True)
+        return LaunchConfig(block_v=64, num_warps=4, num_stages=2, gluon=True)
     if gluon_ok and num_heads >= 32:
         return LaunchConfig(block_v=64, num_warps=4, num_stages=3, gluon=True)
     block_v = min(head_dim, 32 if num_heads >= 32 else 64)
@@ -382,16 +383,17 @@ def lightning_attn_prefill(
     gluon_ok = precision == "tf32" and ops.is_hopper(q) and _gluon().supports(head_dim, block_size, _dtype_name(q))
     cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size, gluon_ok, total)
     _check_block_v(cfg, head_dim)
-    if cfg.gluon and not (gluon_ok and cfg.block_v == 64 and cfg.num_warps in (4, 8)):
+    if cfg.gluon and not (gluon_ok and cfg.block_v == 64):
         raise ValueError(
             "launch_config.gluon needs torch CUDA tensors on a Hopper (sm_90) GPU, precision='tf32', block_size=64, "
-            f"D=128, block_v=64 and 4 or 8 warps; got {ops.name} tensors on {ops.device_key(q)}, "
-            f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}, "
-            f"num_warps={cfg.num_warps}"
+            f"D=128 and block_v=64; got {ops.name} tensors on {ops.device_key(q)}, "
+            f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}"
         )
-    if cfg.gluon and _dtype_name(q) == "bfloat16" and (cfg.num_stages not in (2, 3) or cfg.num_warps != 4):
-        raise ValueError(f"launch_config.gluon with bfloat16 inputs needs num_warps 4 (the output warpgroup) and "
-                         f"num_stages 2 or 3 (TMA ring depth), got {cfg.num_warps} and {cfg.num_stages}")
+    stages_ok = (2, 3) if _dtype_name(q) == "bfloat16" else (2,)
+    if cfg.gluon and (cfg.num_stages not in stages_ok or cfg.num_warps != 4):
+        raise ValueError(f"launch_config.gluon with {_dtype_name(q)} inputs needs num_warps 4 (the output warpgroup) and "
+                         f"num_stages {' or '.join(map(str, stages_ok))} (TMA ring depth, shared memory), got "
+                         f"{cfg.num_warps} and {cfg.num_stages}")
 
     cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
     if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:
@@ -412,10 +414,7 @@ def lightning_attn_prefill(
         raise ValueError(f"total_tokens={total} does not fit the int32 segment table")
 
     n_v = head_dim // cfg.block_v
-    seg_len = _segment_len(ops, q, cu, block_size, num_heads * n_v) if segment_len is None else segment_len
-    if seg_len % block_size != 0 or seg_len <= 0:
-        raise ValueError(f"segment_len must be a positive multiple of block_size={block_size}, got {seg_len!r}")
-    seg, jobs, scans, n_buf = _plan_segments(cu, seg_len, block_size)
+    seg_len, seg, jobs, scans, n_buf = _launch_plan(ops, q, cu, segment_len, block_size, num_heads * n_v)
     if seg.shape[0] == 0:
         return out
     if seg.shape[0] > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
@@ -424,7 +423,9 @@ def lightning_attn_prefill(
     dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
     seg_t, jobs_t, scans_t = _device_tables(ops, q, cu, seg_len, block_size, (seg, jobs, scans))
     buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
-    if jobs.shape[0]:
+    if jobs.shape[0] and cfg.gluon and _dtype_name(q) == "float32":
+        _gluon().segment_state(k, v, slopes, buf, jobs_t, jobs.shape[0], block_size=block_size)
+    elif jobs.shape[0]:
         ops.launch(
             _segment_state_kernel,
             (n_v, num_heads, jobs.shape[0]),
@@ -437,6 +438,7 @@ def lightning_attn_prefill(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+    if jobs.shape[0]:
         scan_rows = min(head_dim, 32)
         ops.launch(
             _segment_scan_kernel,
@@ -550,6 +552,23 @@ def _plan_segments(cu, seg_len, block_size):
 
 _TABLE_CACHE = {}
 _TABLE_CACHE_SIZE = 64
+_PLAN_CACHE = {}
+
+
+def _launch_plan(ops, like, cu, segment_len, block_size, programs_per_segment):
+    """Segment length and tables for a batch layout, cached: planning costs ~40 us of host time per call, and the
+    layers of one model step (70 in MiniMax-M1) share one layout."""
+    key = (ops.name, ops.device_key(like), cu.tobytes(), segment_len, block_size, programs_per_segment)
+    hit = _PLAN_CACHE.get(key)
+    if hit is None:
+        seg_len = _segment_len(ops, like, cu, block_size, programs_per_segment) if segment_len is None else segment_len
+        if seg_len % block_size != 0 or seg_len <= 0:
+            raise ValueError(f"segment_len must be a positive multiple of block_size={block_size}, got {seg_len!r}")
+        hit = (seg_len, *_plan_segments(cu, seg_len, block_size))
+        if len(_PLAN_CACHE) >= _TABLE_CACHE_SIZE:
+            _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+        _PLAN_CACHE[key] = hit
+    return hit
 
 
 def _device_tables(ops, like, cu, seg_len, block_size, tables):
@@ -622,7 +641,7 @@ class _TorchOps:
         return t.device.type == "cpu"
 
     def device_key(self, t):
-        return str(t.device)
+        return t.device
 
     def to_host(self, t):
         return t.detach().cpu().numpy()
@@ -647,7 +666,9 @@ class _TorchOps:
     def launch(self, kernel, grid, args, **meta):
         if launcher.interpreter_enabled():
             launcher.patch_interpreter_scalar_index()
-        kernel[grid](*args, **meta)
+            kernel[grid](*args, **meta)
+            return
+        launcher.launch_compiled(kernel, grid, args, meta, args[0].device.index)
 
 
 def _host_array(x):
@@ -656,8 +677,14 @@ def _host_array(x):
     return np.asarray(x)
 
 
+_DTYPE_NAMES = {}
+
+
 def _dtype_name(t):
-    return str(t.dtype).rsplit(".", 1)[-1]
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).rsplit(".", 1)[-1]
+    return name
 
 
 def _check_tensor(ops, t, name, like):

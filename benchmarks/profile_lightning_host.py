@@ -1,6 +1,9 @@
-"""Host cost of one prefill call (H = 8, N = 32768, float32, default launch; the case whose GPU time is short
-enough for the host to matter): wall time per call when the GPU is not the bottleneck, and a cProfile of the
-call by own time. Usage: python benchmarks/profile_lightning_host.py [H] [N]"""
+"""Host cost per call of the lightning kernels' Python entry points: prefill H = 8, N = 32768, float32 (the default
+split launch: state pass, scan, output; its GPU time is short enough for the host to matter) and decode B = 1,
+H = 64. Then a cProfile of each call by cumulative time.
+
+    python benchmarks/profile_lightning_host.py
+"""
 import cProfile
 import pstats
 import sys
@@ -9,36 +12,45 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-from benchmarks.bench_lightning_attn import prefill_inputs  # noqa: E402
+from benchmarks.bench_lightning_attn import decode_inputs, prefill_inputs  # noqa: E402
 from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk  # noqa: E402
 
-heads = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-n = int(sys.argv[2]) if len(sys.argv) > 2 else 32768
-x = prefill_inputs(heads, n, torch.float32)
+x = prefill_inputs(8, 32768, torch.float32)
 cu_cpu = x["cu"].cpu().numpy()
+d = decode_inputs(64, 1)
 
 
-def call():
+def prefill():
     tk.lightning_attn_prefill(x["q"], x["k"], x["v"], x["slopes"], x["cu"], x["pool"], x["slots"],
                               cu_seqlens_cpu=cu_cpu, check_slots=False, out=x["out"])
 
 
-for _ in range(5):
-    call()
-torch.cuda.synchronize()
-# 20 calls queue well inside the launch queue, so the loop measures the host; the sync after it the GPU.
-for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(20):
-        call()
-    t1 = time.perf_counter()
+def decode():
+    tk.lightning_attn_decode(d["q"], d["k"], d["v"], d["slopes"], d["pool"], d["slots"], check_slots=False,
+                             out=d["out"])
+
+
+def host_ms(fn, calls=20):
+    # 20 calls queue well inside the launch queue, so the loop times the host; the sync after it drains the GPU.
+    fn()
     torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    print(f"H={heads} N={n}: host {(t1 - t0) / 20 * 1e3:.3f} ms/call, host + drain {(t2 - t0) / 20 * 1e3:.3f} ms/call")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(20):
-    call()
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
+print(f"prefill H=8 N=32768 host {host_ms(prefill):.4f} ms/call, decode B=1 H=64 host {host_ms(decode) * 1e3:.1f} "
+      "us/call", flush=True)
+for fn in (prefill, decode):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)

@@ -376,9 +376,9 @@ def test_decode(batch):
 
 
 @pytest.mark.parametrize("seed", [250, 251])
-def test_decode_compiled_launch_follows_specialisation(seed):
-    # launch_compiled reuses a compiled kernel per specialisation key. Alternate what Triton specialises on in one
-    # process: num_slots == 1 (compiled as a constant), divisible by 16, neither; q 4 bytes off 16-byte alignment.
+def test_decode_across_launch_specialisations(seed):
+    # Alternate, in one process, what Triton compiles a launch for: num_slots == 1 (made a constant), divisible by
+    # 16, neither; q 4 bytes off 16-byte alignment (a contiguous view at an odd offset).
     gen = torch.Generator(device="cuda").manual_seed(seed)
     heads, batch = 8, 3
     slopes = minimax_slopes(heads, 11)

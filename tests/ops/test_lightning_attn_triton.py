@@ -341,6 +341,31 @@ def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):
     assert len(tk._TABLE_CACHE) == 2  # bounded: the oldest layout was evicted
 
 
+def test_prefill_plans_each_batch_layout_once(monkeypatch):
+    # The segment plan is cached per layout (the 70 linear layers of an M1 step share one); a bad segment_len is
+    # refused every time, never cached.
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
+
+    monkeypatch.setattr(tk, "_PLAN_CACHE", {})
+    planned = []
+    real = tk._plan_segments
+    monkeypatch.setattr(tk, "_plan_segments", lambda *a: planned.append(a[1]) or real(*a))
+    ops, like = tk._TorchOps(), torch.zeros(1)
+    cu = np.array([0, 40, 50], np.int64)
+    first = tk._launch_plan(ops, like, cu, 16, 16, 8)
+    assert first[0] == 16 and first[1][:, :2].tolist() == [[0, 16], [16, 32], [32, 40], [40, 50]]
+    assert tk._launch_plan(ops, like, cu.copy(), 16, 16, 8) is first and planned == [16]
+    auto = tk._launch_plan(ops, like, cu, None, 16, 8)
+    assert planned == [16, auto[0]]
+    for bad in (24, 0):
+        with pytest.raises(ValueError, match="segment_len must be a positive multiple of block_size=16"):
+            tk._launch_plan(ops, like, cu, bad, 16, 8)
+    assert len(tk._PLAN_CACHE) == 2
+
+
 @pytest.mark.parametrize(
     "lengths, programs, want_whole",
     [([32768], 128, True), ([32768], 256, True), ([32768], 64, False), ([32768], 16, False), ([4096] * 8, 16, True)],

@@ -31,8 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fastdeploy_ext.ops.lightning_attn.launcher import launch_compiled
-
 __all__ = ["descriptors", "prefill_output", "segment_state", "supports"]
 
 
@@ -520,11 +518,11 @@ def segment_state(k, v, slopes, buf, jobs_t, n_jobs, *, block_size, num_warps=8,
     """Launch 1 of a split float32 prefill on Hopper (torch tensors): U of every job into ``buf``."""
     num_heads, head_dim = k.shape[1], k.shape[2]
     (k_d,) = descriptors(k, block_size=block_size)
-    launch_compiled(_segment_state_kernel, (1, num_heads, n_jobs), (k_d, v, slopes, buf, jobs_t),
-                    dict(H=num_heads, D=head_dim, BT=block_size, STAGES=stages, num_warps=num_warps), k.device.index)
+    _segment_state_kernel[(1, num_heads, n_jobs)](k_d, v, slopes, buf, jobs_t, H=num_heads, D=head_dim, BT=block_size,
+                                                  STAGES=stages, num_warps=num_warps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host_layout(rows, cols, bitwidth):
     # Building the layout object costs ~7 us of host time per descriptor; the prefill is host-bound at few heads.
     return _nvmma_shared([rows, cols], bitwidth)
@@ -547,12 +545,12 @@ def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_s
                    num_warps=4, stages=3):
     num_heads, head_dim = q.shape[1], q.shape[2]
     grid = (head_dim // block_v, num_heads, n_segs)
-    meta = dict(H=num_heads, D=head_dim, BT=block_size, BV=block_v, STAGES=stages, num_warps=num_warps)
+    meta = {"H": num_heads, "D": head_dim, "BT": block_size, "BV": block_v, "STAGES": stages, "num_warps": num_warps}
     if q.dtype.itemsize == 2:
         q_d, k_d, v_d, o_d = descriptors(q, k, block_size=block_size, v=v, block_v=block_v, out=out)
         kernel, args = _output_kernel_ws, (q_d, k_d, v_d, o_d, out)
     else:
         q_d, k_d = descriptors(q, k, block_size=block_size)
         kernel, args = _output_kernel_ws32, (q_d, k_d, v, out)
-    launch_compiled(kernel, grid, args + (slopes, state_pool, buf, seg_t, slot_ids, num_slots), meta, q.device.index)
+    kernel[grid](*args, slopes, state_pool, buf, seg_t, slot_ids, num_slots, **meta)
     return out

@@ -21,7 +21,6 @@ import numpy as np
 
 __all__ = [
     "PaddleOps",
-    "launch_compiled",
     "interpreter_enabled",
     "is_paddle_tensor",
     "patch_interpreter_for_host_tensors",
@@ -30,7 +29,6 @@ __all__ = [
 ]
 
 _GLOBAL_COMPAT_ENABLED = False
-_COMPILED = {}
 _INTERPRETER_PATCHED = False
 _INDEX_PATCHED = False
 
@@ -175,36 +173,3 @@ def interpreter_enabled():
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-
-def _specialization(arg):
-    # What Triton 3.6 specialises a compiled kernel on (runtime/jit.py, native_specialize_impl): a tensor's dtype
-    # and 16-byte alignment; an int equal to 1 (made a constant), divisible by 16, or 64-bit; a host tensor
-    # descriptor's element type, block and shared layout (its shape and strides are runtime arguments).
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return ("int", arg == 1, arg % 16 == 0, not -(2**31) <= arg < 2**31)
-    if hasattr(arg, "block_shape"):
-        return ("desc", arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.base.data_ptr() % 16 == 0)
-    if hasattr(arg, "data_ptr"):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    raise TypeError(f"no launch specialisation for a {type(arg).__name__} argument")
-
-
-def launch_compiled(kernel, grid, args, meta, device):
-    """Launch a ``@triton.jit`` / ``@gluon.jit`` kernel on torch CUDA tensors, reusing its compiled form.
-
-    Triton's own dispatch rebuilds the specialisation key on every call (for a host tensor descriptor it formats
-    the layout's repr), about 50 us of host time per launch. A split prefill makes three launches and at few heads
-    its GPU time is ~0.25 ms, so the host set the pace. The first launch per key goes through Triton (compiling);
-    later ones call the compiled kernel with the same positional arguments (constexprs included, in signature
-    order), keyed on exactly what Triton specialises on plus the device.
-    """
-    key = (kernel, device, tuple(meta.items()), tuple(_specialization(a) for a in args))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        compiled = kernel[grid](*args, **meta)
-        _COMPILED[key] = compiled
-        return
-    params = kernel.arg_names[len(args):]
-    compiled[grid](*args, *(meta[name] for name in params))

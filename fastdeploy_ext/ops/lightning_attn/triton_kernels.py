@@ -666,9 +666,7 @@ class _TorchOps:
     def launch(self, kernel, grid, args, **meta):
         if launcher.interpreter_enabled():
             launcher.patch_interpreter_scalar_index()
-            kernel[grid](*args, **meta)
-            return
-        launcher.launch_compiled(kernel, grid, args, meta, args[0].device.index)
+        kernel[grid](*args, **meta)
 
 
 def _host_array(x):

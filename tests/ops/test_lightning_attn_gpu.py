@@ -264,6 +264,21 @@ def test_prefill_gluon_rejects_other_launches(dtype, warps, stages, want):
 
 
 @needs_hopper
+def test_prefill_bf16_inputs_into_float32_out():
+    # The bf16 Gluon kernel stores bf16 tiles: a float32 out takes the Triton kernel by default, and an explicit
+    # Gluon request names the requirement instead of writing the wrong element type.
+    c = case("h64_varlen", torch.bfloat16)
+    pool = c["pool"].clone()
+    out = torch.full(c["q"].shape, float("nan"), device="cuda")
+    cu = torch.tensor(c["cu"], dtype=torch.int32, device="cuda")
+    lightning_attn_prefill(c["q"], c["k"], c["v"], c["slopes"], cu, pool, c["slots"], out=out)
+    check_prefill(c, out, pool, BF16_TOL, per_block=True)
+    with pytest.raises(ValueError, match="for bfloat16 inputs, a bfloat16 out"):
+        lightning_attn_prefill(c["q"], c["k"], c["v"], c["slopes"], cu, c["pool"].clone(), c["slots"], out=out,
+                               launch_config=GLUON16["s3"])
+
+
+@needs_hopper
 def test_default_prefill_picks_the_bf16_gluon_kernel_for_many_heads():
     c = case("h64_varlen", torch.bfloat16)
     out_default, pool_default = run_prefill(c)

@@ -248,6 +248,24 @@ def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
         lightning_attn_prefill(**_torch_prefill_args(), launch_config=LaunchConfig(16, 8, gluon=True))
 
 
+@pytest.mark.parametrize("q_dtype, out_dtype, want", [("float32", "float32", True), ("float32", "bfloat16", True),
+                                                     ("bfloat16", "bfloat16", True), ("bfloat16", "float32", False)])
+def test_gluon_path_only_for_outputs_it_can_store(q_dtype, out_dtype, want):
+    # The bf16 Gluon kernel writes bf16 tiles by TMA: a float32 out with bf16 inputs must take the Triton kernel.
+    torch = pytest.importorskip("torch")
+    from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
+
+    class Hopper(tk._TorchOps):
+        def is_hopper(self, t):
+            return True
+
+    q = torch.zeros(4, 2, 128, dtype=getattr(torch, q_dtype))
+    out = torch.zeros(4, 2, 128, dtype=getattr(torch, out_dtype))
+    assert tk._gluon_ok(Hopper(), q, out, "tf32", 64) is want
+    assert tk._gluon_ok(Hopper(), q, out, "ieee", 64) is False
+    assert tk._gluon_ok(tk._TorchOps(), q, out, "tf32", 64) is False  # CPU tensors
+
+
 @pytest.mark.parametrize(
     "heads, dtype, gluon_ok, tokens, want",
     [(64, "float32", True, 1, (64, 4, 2)), (32, "float32", True, 4096, (64, 4, 2)),

@@ -380,14 +380,15 @@ def lightning_attn_prefill(
         raise ValueError(f"block_size must be one of {_BLOCK_SIZES}, got {block_size!r}")
     _check_precision(precision)
     out = _check_or_make_out(ops, out, q, (total, num_heads, head_dim))
-    gluon_ok = precision == "tf32" and ops.is_hopper(q) and _gluon().supports(head_dim, block_size, _dtype_name(q))
+    gluon_ok = _gluon_ok(ops, q, out, precision, block_size)
     cfg = launch_config or _default_prefill_config(head_dim, _dtype_name(q), num_heads, block_size, gluon_ok, total)
     _check_block_v(cfg, head_dim)
     if cfg.gluon and not (gluon_ok and cfg.block_v == 64):
         raise ValueError(
             "launch_config.gluon needs torch CUDA tensors on a Hopper (sm_90) GPU, precision='tf32', block_size=64, "
-            f"D=128 and block_v=64; got {ops.name} tensors on {ops.device_key(q)}, "
-            f"precision={precision!r}, block_size={block_size}, D={head_dim}, block_v={cfg.block_v}"
+            "D=128, block_v=64 and, for bfloat16 inputs, a bfloat16 out; got "
+            f"{ops.name} tensors on {ops.device_key(q)}, precision={precision!r}, block_size={block_size}, "
+            f"D={head_dim}, block_v={cfg.block_v}, {_dtype_name(q)} inputs, {_dtype_name(out)} out"
         )
     stages_ok = (2, 3) if _dtype_name(q) == "bfloat16" else (2,)
     if cfg.gluon and (cfg.num_stages not in stages_ok or cfg.num_warps != 4):
@@ -606,6 +607,13 @@ def _segment_len(ops, like, cu, block_size, programs_per_segment):
         return whole
     tokens_per_program = int(lengths.sum()) * programs_per_segment / (_PROGRAMS_PER_SM * num_sms)
     return max(16 * block_size, int(-(-tokens_per_program // block_size) * block_size))
+
+
+def _gluon_ok(ops, q, out, precision, block_size):
+    # The bf16 kernel stores whole output chunks by TMA from bf16 tiles, so its out must be bf16 too (the float32
+    # kernel converts in its register stores).
+    return (precision == "tf32" and ops.is_hopper(q) and _gluon().supports(q.shape[2], block_size, _dtype_name(q))
+            and (_dtype_name(q) == "float32" or _dtype_name(out) == _dtype_name(q)))
 
 
 def _gluon():

@@ -328,60 +328,42 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(kernel, dtype, warp
         assert ".tf32" in ptx and ".bf16" not in ptx
 
 
-def test_prefill_reuses_device_tables_per_batch_layout(monkeypatch):
-    # One upload per batch layout: a pageable host-to-device copy waits for the stream, so per-call uploads
-    # would serialise the host behind every previous kernel (and forbid CUDA-graph capture).
-    torch = pytest.importorskip("torch")
-    import numpy as np
-
-    from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
-
-    monkeypatch.setattr(tk, "_TABLE_CACHE", {})
-    monkeypatch.setattr(tk, "_TABLE_CACHE_SIZE", 2)
-    ops, like = tk._TorchOps(), torch.zeros(1)
-    uploads = []
-    real = tk._TorchOps.from_host
-    monkeypatch.setattr(tk._TorchOps, "from_host", lambda self, a, like: uploads.append(a.shape) or real(self, a, like))
-
-    def tables(cu, seg_len):
-        cu = np.asarray(cu, np.int64)
-        seg, jobs, scans, _ = tk._plan_segments(cu, seg_len, 16)
-        return tk._device_tables(ops, like, cu, seg_len, 16, (seg, jobs, scans))
-
-    first = tables([0, 40, 50], 16)
-    assert len(uploads) == 3 and all(t is not None for t in first)  # 40 tokens split: jobs and scans too
-    again = tables([0, 40, 50], 16)
-    assert len(uploads) == 3 and all(a is b for a, b in zip(first, again))
-    whole = tables([0, 40, 50], 64)
-    assert len(uploads) == 4 and whole[1] is None and whole[2] is None  # no split: only the segment table
-    assert torch.equal(whole[0][:, :2], torch.tensor([[0, 40], [40, 50]], dtype=torch.int32))
-    tables([0, 7], 64)
-    assert len(tk._TABLE_CACHE) == 2  # bounded: the oldest layout was evicted
-
-
-def test_prefill_plans_each_batch_layout_once(monkeypatch):
-    # The segment plan is cached per layout (the 70 linear layers of an M1 step share one); a bad segment_len is
-    # refused every time, never cached.
+def test_prefill_plans_and_uploads_each_batch_layout_once(monkeypatch):
+    # One plan and one upload per batch layout: a pageable host-to-device copy waits for the stream, so per-call
+    # uploads would serialise the host behind every previous kernel (and forbid CUDA-graph capture). A bad
+    # segment_len is refused every time, never cached.
     torch = pytest.importorskip("torch")
     import numpy as np
 
     from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
     monkeypatch.setattr(tk, "_PLAN_CACHE", {})
-    planned = []
-    real = tk._plan_segments
-    monkeypatch.setattr(tk, "_plan_segments", lambda *a: planned.append(a[1]) or real(*a))
+    monkeypatch.setattr(tk, "_PLAN_CACHE_SIZE", 3)
     ops, like = tk._TorchOps(), torch.zeros(1)
-    cu = np.array([0, 40, 50], np.int64)
-    first = tk._launch_plan(ops, like, cu, 16, 16, 8)
+    uploads, planned = [], []
+    real_upload, real_plan = tk._TorchOps.from_host, tk._plan_segments
+    monkeypatch.setattr(tk._TorchOps, "from_host", lambda self, a, like: uploads.append(a.shape) or real_upload(self, a, like))
+    monkeypatch.setattr(tk, "_plan_segments", lambda *a: planned.append(a[1]) or real_plan(*a))
+
+    def plan(cu, seg_len):
+        return tk._launch_plan(ops, like, np.asarray(cu, np.int64), seg_len, 16, 8)
+
+    first = plan([0, 40, 50], 16)
     assert first[0] == 16 and first[1][:, :2].tolist() == [[0, 16], [16, 32], [32, 40], [40, 50]]
-    assert tk._launch_plan(ops, like, cu.copy(), 16, 16, 8) is first and planned == [16]
-    auto = tk._launch_plan(ops, like, cu, None, 16, 8)
-    assert planned == [16, auto[0]]
+    assert len(uploads) == 3 and all(t is not None for t in first[5])  # 40 tokens split: jobs and scans too
+    again = plan([0, 40, 50], 16)
+    assert again is first and len(uploads) == 3 and planned == [16]
+    whole = plan([0, 40, 50], 64)
+    assert len(uploads) == 4 and whole[5][1] is None and whole[5][2] is None  # no split: only the segment table
+    assert torch.equal(whole[5][0][:, :2], torch.tensor([[0, 40], [40, 50]], dtype=torch.int32))
+    auto = plan([0, 40, 50], None)
+    assert planned == [16, 64, auto[0]]
     for bad in (24, 0):
         with pytest.raises(ValueError, match="segment_len must be a positive multiple of block_size=16"):
-            tk._launch_plan(ops, like, cu, bad, 16, 8)
-    assert len(tk._PLAN_CACHE) == 2
+            plan([0, 40, 50], bad)
+    plan([0, 7], 64)
+    assert len(tk._PLAN_CACHE) == 3  # bounded: the oldest layout was evicted
+    assert plan([0, 40, 50], 16) is not first and planned[-1] == 16
 
 
 @pytest.mark.parametrize(

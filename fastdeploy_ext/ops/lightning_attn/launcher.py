@@ -172,4 +172,3 @@ def _first_tensor(args):
 def interpreter_enabled():
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-

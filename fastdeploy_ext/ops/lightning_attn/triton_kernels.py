@@ -415,14 +415,14 @@ def lightning_attn_prefill(
         raise ValueError(f"total_tokens={total} does not fit the int32 segment table")
 
     n_v = head_dim // cfg.block_v
-    seg_len, seg, jobs, scans, n_buf = _launch_plan(ops, q, cu, segment_len, block_size, num_heads * n_v)
+    seg_len, seg, jobs, scans, n_buf, (seg_t, jobs_t, scans_t) = _launch_plan(ops, q, cu, segment_len, block_size,
+                                                                              num_heads * n_v)
     if seg.shape[0] == 0:
         return out
     if seg.shape[0] > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
         raise ValueError(f"{seg.shape[0]} segments x {num_heads} heads exceed the launch grid; raise segment_len")
 
     dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
-    seg_t, jobs_t, scans_t = _device_tables(ops, q, cu, seg_len, block_size, (seg, jobs, scans))
     buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
     if jobs.shape[0] and cfg.gluon and _dtype_name(q) == "float32":
         _gluon().segment_state(k, v, slopes, buf, jobs_t, jobs.shape[0], block_size=block_size)
@@ -551,43 +551,34 @@ def _plan_segments(cu, seg_len, block_size):
     return as_table(seg_rows, _SEG_COLS), as_table(job_rows, 3), as_table(scan_rows, 2), n_buf
 
 
-_TABLE_CACHE = {}
-_TABLE_CACHE_SIZE = 64
 _PLAN_CACHE = {}
+_PLAN_CACHE_SIZE = 64
 
 
 def _launch_plan(ops, like, cu, segment_len, block_size, programs_per_segment):
-    """Segment length and tables for a batch layout, cached: planning costs ~40 us of host time per call, and the
-    layers of one model step (70 in MiniMax-M1) share one layout."""
+    """Segment length, tables and their device copies for a batch layout, cached (64 layouts).
+
+    The layers of one model step (70 in MiniMax-M1) share one layout, so they plan once (~40 us of host time) and
+    upload once: a host-to-device copy from pageable memory first waits for the stream to drain, so uploading the
+    tables on every call would stall the host behind the previous kernel, and a warm plan lets the call be captured
+    in a CUDA graph.
+
+    Returns ``(seg_len, seg, jobs, scans, n_buf, (seg_t, jobs_t, scans_t))``; see ``_plan_segments``.
+    """
     key = (ops.name, ops.device_key(like), cu.tobytes(), segment_len, block_size, programs_per_segment)
     hit = _PLAN_CACHE.get(key)
     if hit is None:
         seg_len = _segment_len(ops, like, cu, block_size, programs_per_segment) if segment_len is None else segment_len
         if seg_len % block_size != 0 or seg_len <= 0:
             raise ValueError(f"segment_len must be a positive multiple of block_size={block_size}, got {seg_len!r}")
-        hit = (seg_len, *_plan_segments(cu, seg_len, block_size))
-        if len(_PLAN_CACHE) >= _TABLE_CACHE_SIZE:
-            _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
-        _PLAN_CACHE[key] = hit
-    return hit
-
-
-def _device_tables(ops, like, cu, seg_len, block_size, tables):
-    """Device copies of the launch tables, cached by the batch layout.
-
-    A host-to-device copy from pageable memory first waits for the stream to drain, so uploading the tables
-    on every call would stall the host behind the previous kernel; the layers of one model step (70 in
-    MiniMax-M1) share one layout and so one upload, and a warm cache lets the call be captured in a CUDA graph.
-    """
-    key = (ops.name, ops.device_key(like), cu.tobytes(), seg_len, block_size)
-    hit = _TABLE_CACHE.get(key)
-    if hit is None:
+        seg, jobs, scans, n_buf = _plan_segments(cu, seg_len, block_size)
         if ops.is_capturing(like):
             raise ValueError("the first prefill call for a batch layout uploads its tables; run it once before capture")
-        hit = tuple(ops.from_host(t, like) if t.shape[0] else None for t in tables)
-        if len(_TABLE_CACHE) >= _TABLE_CACHE_SIZE:
-            _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
-        _TABLE_CACHE[key] = hit
+        tables = tuple(ops.from_host(t, like) if t.shape[0] else None for t in (seg, jobs, scans))
+        hit = (seg_len, seg, jobs, scans, n_buf, tables)
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+        _PLAN_CACHE[key] = hit
     return hit
 
 

@@ -269,7 +269,7 @@ def test_gluon_path_only_for_outputs_it_can_store(q_dtype, out_dtype, want):
 @pytest.mark.parametrize(
     "heads, dtype, gluon_ok, tokens, want",
     [(64, "float32", True, 1, (64, 4, 2)), (32, "float32", True, 4096, (64, 4, 2)),
-     (8, "float32", True, 32768, (64, 4, 2)), (8, "float32", True, 16384, (64, 4, 2)), (8, "float32", True, 4096, None),
+     (8, "float32", True, 32768, (64, 4, 2)), (8, "float32", True, 16384, None), (8, "float32", True, 4096, None),
      (64, "bfloat16", True, 1, (64, 4, 3)), (32, "bfloat16", True, 32768, (64, 4, 3)),
      (8, "bfloat16", True, 32768, None), (64, "float32", False, 32768, None), (64, "bfloat16", False, 32768, None)],
 )

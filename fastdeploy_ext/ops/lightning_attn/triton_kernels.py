@@ -283,10 +283,11 @@ class LaunchConfig:
     gluon: bool = False  # prefill, TF32 on Hopper: the hand-scheduled output kernels of gluon_kernels.py
 
 
-# Few heads need split sequences (three launches); for short batches the Gluon launch's host cost outweighs its
-# faster kernel: H = 8, N = 4096: 0.31 ms eager vs 0.17 for Triton (CUDA graph 0.10 vs 0.16); N = 32768: 0.34 vs
-# 0.48. The cut lies between those two measured points.
-_GLUON_FEW_HEADS_MIN_TOKENS = 16384
+# Few heads need split sequences (three launches). The Gluon kernels take half the GPU time at every size measured,
+# but their launches (TMA descriptors) cost more host time, which sets the pace of an eager call when the kernels
+# are short. H = 8, float32, eager vs CUDA graph (docs/benchmarks.md, session 4): 16384 tokens 0.39 / 0.14 ms
+# against 0.26 / 0.25 for Triton; 32768 tokens 0.25 / 0.26 against 0.48 (session 3).
+_GLUON_FEW_HEADS_MIN_TOKENS = 32768
 
 
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False, total_tokens=None):

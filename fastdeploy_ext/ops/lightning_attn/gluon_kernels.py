@@ -13,8 +13,8 @@ publishes each chunk's starting state, and the default warpgroup computes the ou
   carries the state untransposed so that its update reads k transposed into registers instead of a second copy.
 - ``_segment_state_kernel`` (float32, split sequences): launch 1 of a split prefill, one program per (head, job).
 
-H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.42 ms at H = 64 (the earlier single-partition
-Gluon kernel 1.67, the Triton kernel 3.3), bf16 in/out 0.80 vs 1.41 ms for Triton. At H = 8 with bf16 the Triton
+H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.32-1.43 ms at H = 64 (the earlier single-partition
+Gluon kernel 1.67, the Triton kernel 3.3), bf16 in/out 0.78-0.81 vs 1.41 ms for Triton. At H = 8 with bf16 the Triton
 kernel stays the default. IEEE mode always uses the Triton kernels.
 """
 
@@ -34,9 +34,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 __all__ = ["descriptors", "prefill_output", "segment_state", "supports"]
 
 
-
 def supports(head_dim, block_size, dtype_name):
-    """Shapes measured on the H200 (D = 128, 64-token chunks); the value tile is 64 wide (BV = M of S^T's product)."""
+    """Shapes measured on the H200 (D = 128, 64-token chunks, 64-wide value tiles)."""
     return head_dim == 128 and block_size == 64 and dtype_name in ("float32", "bfloat16")
 
 

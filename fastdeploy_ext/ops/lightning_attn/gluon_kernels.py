@@ -85,6 +85,20 @@ def _segment_job(seg_ptr, slot_ids_ptr, slopes_ptr, pool_ptr, buf_ptr, num_slots
     return start, end, neg_s, state_in, pool_at, read_ok, write_ok
 
 
+@gluon.jit
+def _decay_tiles(neg_s, BT: gl.constexpr, BV: gl.constexpr, L_S: gl.constexpr, L_O: gl.constexpr):
+    # The output warpgroup's loop constants: the causal decay mask lam^(i-j) of the scores, held in registers across
+    # the loop (setmaxnreg leaves this warpgroup room), and the decay lam^(i+1) of each row's inter-chunk term.
+    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
+    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
+    intra = gl.where(s_rows[:, None] >= s_cols[None, :],
+                     gl.exp(neg_s * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
+    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
+    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
+    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    return intra, o_rows, o_cols, q_decay
+
+
 # Partitions of the warp-specialised bf16 kernel. Triton 3.6 hands worker partitions no constexprs (they
 # arrive as values) and requires one signature for all of them, so both workers take the same arguments and
 # read their tile shapes off the shared buffers.
@@ -99,14 +113,7 @@ def _ws_output(q_smem, k_smem, v_smem, st_smem, o_smem, ready, empty, st_ready, 
     L_S: gl.constexpr = _mma_layout(BT, BT, gl.num_warps(), 16)
     L_O: gl.constexpr = _mma_layout(BT, BV, gl.num_warps(), 16)
     A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=2)
-    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
-    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
-    # Held in registers across the loop: this warpgroup has them to spare (setmaxnreg gives it 248).
-    intra = gl.where(s_rows[:, None] >= s_cols[None, :],
-                     gl.exp(neg_s * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
-    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
-    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
-    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    intra, o_rows, o_cols, q_decay = _decay_tiles(neg_s, BT, BV, L_S, L_O)
     for c in range(n_chunks):
         stage = c % STAGES
         b = c % 2
@@ -284,13 +291,7 @@ def _ws32_output(q_smem, k_smem, vt_smem, st_smem, ready, empty, st_ready, st_fr
     L_S: gl.constexpr = _mma_layout(BT, BT, gl.num_warps(), 8)
     L_O: gl.constexpr = _mma_layout(BT, BV, gl.num_warps(), 8)
     A_O: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L_O, k_width=1)
-    s_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_S))
-    s_cols = gl.arange(0, BT, layout=gl.SliceLayout(0, L_S))
-    intra = gl.where(s_rows[:, None] >= s_cols[None, :],
-                     gl.exp(neg_s * (s_rows[:, None] - s_cols[None, :]).to(gl.float32)), 0.0)
-    o_rows = gl.arange(0, BT, layout=gl.SliceLayout(1, L_O))
-    o_cols = gl.arange(0, BV, layout=gl.SliceLayout(0, L_O))
-    q_decay = gl.exp(neg_s * (o_rows + 1).to(gl.float32))
+    intra, o_rows, o_cols, q_decay = _decay_tiles(neg_s, BT, BV, L_S, L_O)
     for c in range(n_chunks):
         stage = c % STAGES
         b = c % 2

@@ -14,8 +14,8 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, ".")
-from benchmarks.bench_lightning_attn import ours_prefill_fn, prefill_inputs  # noqa: E402
-from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk  # noqa: E402
+from benchmarks.bench_lightning_attn import ours_prefill_fn, prefill_inputs
+from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -42,8 +42,8 @@ qf, kf, vf = (t.float() for t in (x["q"], x["k"], x["v"]))
 tk.lightning_attn_prefill(qf, kf, vf, x["slopes"], x["cu"], ref_pool, x["slots"], precision="ieee", out=ref_out)
 del qf, kf, vf
 fn = ours_prefill_fn(x)
-rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa: E731
-res = dict(args=vars(args), variants={})
+rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
+res = {"args": vars(args), "variants": {}}
 for name, mod in modules.items():
     tk._gluon = lambda mod=mod: mod
     x["pool"].copy_(start)
@@ -53,9 +53,12 @@ for name, mod in modules.items():
     x["pool"].copy_(start)
     fn()
     torch.cuda.synchronize()
-    res["variants"][name] = dict(err_out=rel(x["out"], ref_out), err_state=rel(x["pool"][1], ref_pool[1]),
-                                 repeat_identical=bool(torch.equal(out1, x["out"]) and torch.equal(pool1, x["pool"])),
-                                 ms=[])
+    res["variants"][name] = {
+        "err_out": rel(x["out"], ref_out),
+        "err_state": rel(x["pool"][1], ref_pool[1]),
+        "repeat_identical": bool(torch.equal(out1, x["out"]) and torch.equal(pool1, x["pool"])),
+        "ms": [],
+    }
     print(name, {k: v for k, v in res["variants"][name].items() if k != "ms"}, flush=True)
 for _ in range(args.rounds):
     for name, mod in modules.items():
@@ -63,4 +66,5 @@ for _ in range(args.rounds):
         res["variants"][name]["ms"].append(do_bench(fn, warmup=50, rep=300, return_mode="median"))
 for name, r in res["variants"].items():
     print(f"{name:10s}", " ".join(f"{t:.4f}" for t in r["ms"]), "ms", flush=True)
-json.dump(res, open(args.out, "w"), indent=1)
+with open(args.out, "w") as f:
+    json.dump(res, f, indent=1)

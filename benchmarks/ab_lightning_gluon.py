@@ -14,7 +14,11 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, ".")
-from benchmarks.bench_lightning_attn import ours_prefill_fn, prefill_inputs
+from benchmarks.bench_lightning_attn import (
+    ieee_reference,
+    ours_prefill_fn,
+    prefill_inputs,
+)
 from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
 ap = argparse.ArgumentParser()
@@ -35,12 +39,7 @@ for spec in args.variants:
 
 torch.manual_seed(0)
 x = prefill_inputs(args.heads, args.tokens, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-start = x["pool"].clone()
-ref_out = torch.empty(x["out"].shape, dtype=torch.float32, device="cuda")
-ref_pool = start.clone()
-qf, kf, vf = (t.float() for t in (x["q"], x["k"], x["v"]))
-tk.lightning_attn_prefill(qf, kf, vf, x["slopes"], x["cu"], ref_pool, x["slots"], precision="ieee", out=ref_out)
-del qf, kf, vf
+start, ref_out, ref_pool = ieee_reference(x)
 fn = ours_prefill_fn(x)
 rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
 res = {"args": vars(args), "variants": {}}

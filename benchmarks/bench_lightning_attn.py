@@ -105,6 +105,16 @@ def ours_prefill_fn(x, **kwargs):
     return fn
 
 
+def ieee_reference(x):
+    """The IEEE kernel on float32 copies of x's inputs: (start pool, output, final pool), for error columns."""
+    start = x["pool"].clone()
+    ref_out = torch.empty(x["out"].shape, dtype=torch.float32, device="cuda")
+    ref_pool = start.clone()
+    qf, kf, vf = (t.float() for t in (x["q"], x["k"], x["v"]))
+    tk.lightning_attn_prefill(qf, kf, vf, x["slopes"], x["cu"], ref_pool, x["slots"], precision="ieee", out=ref_out)
+    return start, ref_out, ref_pool
+
+
 def pool0_start(x):
     return x["start"].clone()
 

@@ -4,7 +4,7 @@ import json, sys, time
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 sys.path.insert(0, ".")
-from benchmarks.bench_lightning_attn import prefill_inputs, copy_bandwidth, prefill_floor_ms
+from benchmarks.bench_lightning_attn import prefill_inputs, copy_bandwidth, prefill_floor_ms, ieee_reference
 from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
 C = tk.LaunchConfig
@@ -46,12 +46,7 @@ for heads, dtype, rows, *n in CASES:
     n = n[0] if n else 32768
     torch.manual_seed(0)
     x = prefill_inputs(heads, n, dtype)
-    start = x["pool"].clone()
-    ref_out = torch.empty(x["out"].shape, dtype=torch.float32, device="cuda")
-    ref_pool = start.clone()
-    qf, kf, vf = (t.float() for t in (x["q"], x["k"], x["v"]))
-    tk.lightning_attn_prefill(qf, kf, vf, x["slopes"], x["cu"], ref_pool, x["slots"], precision="ieee", out=ref_out)
-    del qf, kf, vf
+    start, ref_out, ref_pool = ieee_reference(x)
     floor = prefill_floor_ms(heads, n, dtype, bw)
     cu_cpu = x["cu"].cpu().numpy()
     for bt, cfg, seg in rows:

@@ -321,6 +321,8 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(kernel, dtype, warp
         assert ".tf32" not in ptx
         assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global") >= 3
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+        # The state warpgroup scales v by the token decays on packed bf16 pairs (its lean full-chunk path).
+        assert "fma.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx
     if kernel.startswith("_output_kernel_ws"):
         # The partitions rebalance registers (setmaxnreg) and sync on named barriers of their own 128 threads.
         assert "setmaxnreg" in ptx and "bar.sync \t0, 128" in ptx

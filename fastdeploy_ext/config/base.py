@@ -133,12 +133,30 @@ class QuantConfig:
         return get_moe_quant_method(self, layer)
 
 
+BACKENDS = ("auto", "host", "device")
+
+
 @dataclass
 class LoadConfig:
     model_path: str = ""
-    # Compute dtype; Paddle on CPU computes in float32 only, so "auto" resolves to float32 there.
+    # Compute dtype: float32/float64 on CPU, float32/bfloat16/float16 on a GPU.
     dtype: str = "float32"
     device: str = "cpu"
+    # "host": the CPU-speed NumPy/MKL implementations (fastdeploy_ext/ops/host), CPU float32 only;
+    # "device": Paddle ops and the Triton kernels, on any device and dtype. Resolved, never "auto".
+    backend: str = "host"
+
+
+def resolve_backend(backend: str, device: str, dtype: str) -> str:
+    """``"auto"`` is the host backend for CPU float32 and the device backend otherwise."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "host" if device == "cpu" and dtype == "float32" else "device"
+    if backend == "host" and (device != "cpu" or dtype != "float32"):
+        raise ConfigError(f"backend 'host' runs on the CPU in float32 only (got device {device!r}, dtype {dtype!r}); "
+                          "use backend 'device' or 'auto'")
+    return backend
 
 
 @dataclass

@@ -22,6 +22,7 @@ from fastdeploy_ext.config.base import (
     ParallelConfig,
     SchedulerConfig,
     load_hf_config,
+    resolve_backend,
 )
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
@@ -33,7 +34,7 @@ from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
-from fastdeploy_ext.ops.host_threads import set_host_threads
+from fastdeploy_ext.ops.host.host_threads import set_host_threads
 
 logger = logging.getLogger("fastdeploy_ext")
 
@@ -61,6 +62,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
+    backend: str = "auto"  # "auto" | "host" | "device" (config/base.py resolve_backend)
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -102,14 +104,18 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
-    """Compute dtype. Paddle's CPU kernels are fp32-only (bf16 checkpoints are upcast); on a GPU
-    ``"auto"`` keeps a bf16/fp16 checkpoint's dtype. Recurrent state, router and logits stay fp32."""
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    """Compute dtype. Paddle's CPU kernels compute in float32 and float64 only (bf16 checkpoints are
+    upcast); on a GPU ``"auto"`` keeps a bf16/fp16 checkpoint's dtype. Router, softmax, recurrent state,
+    norm statistics and logits run in max(float32, compute dtype)."""
+    if dtype not in ("auto", "float32", "float64", "bfloat16", "float16"):
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'float64', 'bfloat16' or 'float16', got {dtype!r}")
     if device == "cpu":
-        if dtype not in ("auto", "float32"):
-            raise ConfigError(f"dtype {dtype!r}: Paddle on CPU computes in float32 only (bf16 checkpoints are upcast)")
-        return "float32"
+        if dtype not in ("auto", "float32", "float64"):
+            raise ConfigError(f"dtype {dtype!r}: Paddle on CPU computes in float32 and float64 only "
+                              "(bf16 checkpoints are upcast)")
+        return "float32" if dtype == "auto" else dtype
+    if dtype == "float64":
+        raise ConfigError("dtype 'float64' is for checking on a CPU; on a GPU use 'bfloat16', 'float16' or 'float32'")
     if dtype == "auto":
         return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "float32"
     return dtype
@@ -124,6 +130,7 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
 
     hf_config = load_hf_config(args.model)
     dtype = resolve_dtype(args.dtype, device, str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"))
+    backend = resolve_backend(args.backend, device, dtype)
     model_cls = get_model_class(architecture_of(hf_config))
     model_config = model_cls.config_class.from_hf_config(hf_config, where=os.path.join(args.model, "config.json"))
     quant_config = resolve_quant_config(args.quantization, hf_config, model_cls, os.path.join(args.model, "config.json"))
@@ -146,7 +153,7 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
         cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
         scheduler_config=SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill, max_model_len),
         quant_config=quant_config,
-        load_config=LoadConfig(model_path=args.model, dtype=dtype, device=device),
+        load_config=LoadConfig(model_path=args.model, dtype=dtype, device=device, backend=backend),
     )
     return model_cls, fd_config
 

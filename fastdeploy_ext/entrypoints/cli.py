@@ -31,7 +31,8 @@ def _print_outputs(outputs) -> None:
 def _cmd_generate(args) -> int:
     from fastdeploy_ext import LLM, SamplingParams
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              dtype=args.dtype, backend=args.backend)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     _print_outputs(llm.generate(args.prompt, params, use_tqdm=not args.no_tqdm))
     return 0
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"],
+                   help="compute dtype (default auto: float32 on CPU, the checkpoint's bf16/fp16 on a GPU)")
+    g.add_argument("--backend", default="auto", choices=["auto", "host", "device"],
+                   help="auto (default): host for CPU float32, device otherwise; host: NumPy/MKL CPU code; "
+                   "device: Paddle ops and Triton kernels (runs on CPU too)")
     g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
     g.set_defaults(func=_cmd_generate)
 

@@ -8,6 +8,7 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     device_memory: 141GB                 # per card (gpu); default for cpu: this machine's RAM
     tensor_parallel_size: 8
     dtype: bfloat16
+    backend: auto                        # auto | host | device (docs/architecture.md "Backends")
     quantization: null                   # null | wint8 | wint4
     max_model_len: 131072
     max_num_seqs: 16
@@ -68,6 +69,7 @@ class DeployConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     dtype: str = "auto"
+    backend: str = "auto"
     quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -98,7 +100,8 @@ class DeployConfig:
 
 
 # field -> (types, check, description); a check returns an error string or None.
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+_BACKENDS = ("auto", "host", "device")
 _QUANT = (None, "wint8", "wint4")
 
 
@@ -116,6 +119,8 @@ _SCHEMA = {
     "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "fraction"),
     "tensor_parallel_size": ((int,), _positive, "ranks"),
     "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}", "dtype"),
+    "backend": ((str,), lambda v: None if v in _BACKENDS else f"must be one of {', '.join(_BACKENDS)}",
+                "auto (host for CPU float32, else device) | host (NumPy/MKL, CPU float32) | device (Paddle ops, Triton)"),
     "quantization": ((str, type(None)), lambda v: None if v in _QUANT else "must be null, 'wint8' or 'wint4'",
                      "weight-only quantization"),
     "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2", "tokens"),
@@ -211,4 +216,4 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device="auto" if cfg.device == "cpu" else cfg.device)
+                device=cfg.device, backend=cfg.backend)

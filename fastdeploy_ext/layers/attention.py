@@ -27,7 +27,7 @@ import paddle
 from paddle import nn
 from paddle.utils import dlpack
 
-from fastdeploy_ext.ops import cpu_gemm
+from fastdeploy_ext.ops.host import cpu_gemm
 
 _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 

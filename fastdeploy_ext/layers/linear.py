@@ -17,14 +17,11 @@ from fastdeploy_ext.layers.utils import (
     as_float32,
     assign,
     check_shape,
+    compute_dtype,
     create_param,
     mark_loaded,
     shape_of,
 )
-
-
-def compute_dtype(fd_config) -> str:
-    return "float32" if fd_config is None else fd_config.load_config.dtype
 
 
 class LinearBase(nn.Layer):

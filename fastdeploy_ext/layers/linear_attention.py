@@ -22,7 +22,7 @@ from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from fastdeploy_ext.layers.linear import ColumnParallelLinear, RowParallelLinear
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
-from fastdeploy_ext.ops.host_threads import run_chunked
+from fastdeploy_ext.ops.host.host_threads import run_chunked
 from fastdeploy_ext.ops.lightning_attn import reference
 
 

@@ -17,8 +17,8 @@ from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
 from fastdeploy_ext.layers.linear import compute_dtype
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
-from fastdeploy_ext.ops import cpu_gemm
-from fastdeploy_ext.ops.host_threads import run_chunked
+from fastdeploy_ext.ops.host import cpu_gemm
+from fastdeploy_ext.ops.host.host_threads import run_chunked
 
 SHARD_IDS = ("gate", "up", "down")
 
@@ -66,7 +66,7 @@ class FusedMoE(nn.Layer):
 
     def process_weights_after_loading(self) -> None:
         """On CPU with fp32 experts and MKL in Paddle's build, pack every expert's weights once for
-        :mod:`fastdeploy_ext.ops.cpu_gemm` (a copy of the weights: loading any expert drops it again).
+        :mod:`fastdeploy_ext.ops.host.cpu_gemm` (a copy of the weights: loading any expert drops it again).
         Without this call, or elsewhere, experts run through Paddle's matmul."""
         self._packed = None
         weights = [getattr(self, name) for name in ("up_gate_proj_weight", "down_proj_weight")]

@@ -8,6 +8,22 @@ import numpy as np
 import paddle
 
 
+def compute_dtype(fd_config) -> str:
+    """The activations' dtype."""
+    return "float32" if fd_config is None else fd_config.load_config.dtype
+
+
+def accum_dtype(fd_config) -> str:
+    """Where precision matters (router, softmax, recurrent state, norm statistics, RoPE tables, logits):
+    max(float32, compute dtype), so float32 under bf16 and float64 under float64."""
+    return "float64" if compute_dtype(fd_config) == "float64" else "float32"
+
+
+def backend_of(fd_config) -> str:
+    """``"host"`` or ``"device"`` (resolved by the engine; a bare layer in a test defaults to host)."""
+    return "host" if fd_config is None else fd_config.load_config.backend
+
+
 class WeightLoadError(ValueError):
     """A checkpoint tensor does not fit the parameter it was routed to (or is missing)."""
 

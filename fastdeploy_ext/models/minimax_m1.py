@@ -25,7 +25,7 @@ from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
-from fastdeploy_ext.ops.host_threads import run_chunked
+from fastdeploy_ext.ops.host.host_threads import run_chunked
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
 from fastdeploy_ext.quantization.methods import check_components_complete
 

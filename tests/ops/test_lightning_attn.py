@@ -336,7 +336,7 @@ def test_block_matmul_matches_float64(monkeypatch, mkl, m, n, k):
     """The prefill's stacked products (one MKL batch call, or NumPy's matmul) on strided views, with either
     operand transposed, equal float64 products; the output's padding columns stay untouched. Three leading
     axes, one of them a stride-0 broadcast (GQA keys shared by a group of query heads)."""
-    from fastdeploy_ext.ops import cpu_gemm
+    from fastdeploy_ext.ops.host import cpu_gemm
 
     if mkl and not cpu_gemm.available():
         pytest.skip("this Paddle build has no MKL")

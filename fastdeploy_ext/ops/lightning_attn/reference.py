@@ -19,7 +19,7 @@ import numpy as np
 import paddle
 from paddle.utils import dlpack
 
-from fastdeploy_ext.ops import cpu_gemm
+from fastdeploy_ext.ops.host import cpu_gemm
 
 __all__ = ["lightning_attn_prefill", "lightning_attn_decode", "prefill_host", "decode_host", "decay"]
 

@@ -1,0 +1,16 @@
+"""The host backend: CPU-speed implementations in NumPy, MKL (ctypes) and host threads.
+
+Everything here works on host arrays or on Paddle CPU float32 tensors through zero-copy DLPack views;
+nothing here is used by the device backend. Layers pick these implementations once, at construction,
+when ``fd_config.load_config.backend == "host"`` (docs/architecture.md "Backends").
+"""
+
+import numpy as np
+
+
+def host_view(t) -> np.ndarray:
+    """A NumPy view of a Paddle CPU tensor's memory (a contiguous copy first if it is strided).
+    Writes through the view land in the tensor."""
+    if not t.place.is_cpu_place():
+        raise ValueError(f"the host backend runs on CPU tensors, got one on {t.place}")
+    return np.from_dlpack(t if t.is_contiguous() else t.contiguous())

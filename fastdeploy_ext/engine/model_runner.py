@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from fastdeploy_ext.engine.scheduler import ScheduledSeq
-from fastdeploy_ext.layers.attention import build_attention_metadata, take_rows, write_rows
+from fastdeploy_ext.layers.backend import AttentionBackend
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 
@@ -31,6 +31,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         rows = num_kv_blocks * self.block_size
         dtype = fd_config.load_config.dtype
+        self.backend = AttentionBackend(fd_config)
         # Per softmax-attention layer: key and value pages, [kv_heads, num_blocks * block_size, head_dim].
         self.caches = [
             (paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype), paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype))
@@ -39,8 +40,8 @@ class ModelRunner:
         spec = model.state_cache_spec()
         self.state_pool = None
         if spec is not None:
-            # One [slots, *shape] tensor per recurrent layer (ops update a layer's pool in place).
-            # Recurrent state is fp32 whatever the model dtype (bf16 state drifts: minimax_m1.md §6).
+            # One [slots, *shape] tensor per recurrent layer (ops update a layer's pool in place), in
+            # max(float32, compute dtype): a bf16 state drifts (minimax_m1.md §6).
             self.state_pool = [paddle.zeros([num_state_slots, *spec.shape], spec.dtype) for _ in range(spec.num_layers)]
         self._mm_inputs: dict[str, Any] = {}
 
@@ -57,13 +58,7 @@ class ModelRunner:
     def fork(self, src_blocks, dst_blocks, src_slot, dst_slot) -> None:
         """Copy the KV pages ``src_blocks[:len(dst_blocks)]`` into ``dst_blocks`` and the recurrent
         state ``src_slot`` into ``dst_slot`` (an ``n > 1`` sibling starts from its parent's prompt)."""
-        bs = self.block_size
-        offs = np.arange(bs)
-        src = (np.asarray(src_blocks[: len(dst_blocks)])[:, None] * bs + offs).reshape(-1)
-        dst = (np.asarray(dst_blocks)[:, None] * bs + offs).reshape(-1)
-        for pair in self.caches:
-            for t in pair:
-                write_rows(t, dst, take_rows(t, src).transpose([1, 0, 2]))
+        self.backend.copy_pages(self.caches, src_blocks, dst_blocks)
         if self.state_pool is not None:
             self.copy_state(src_slot, dst_slot)
 
@@ -127,15 +122,14 @@ class ModelRunner:
         slot_ids = None
         if self.state_pool is not None:
             slot_ids = np.array([s.state_slot for s in ordered], np.int64)
+            num_slots = self.state_pool[0].shape[0]
+            # Checked once per step: the lightning ops then run unchecked (no host round trip per layer).
+            if np.any(slot_ids < 0) or np.any(slot_ids >= num_slots) or len(np.unique(slot_ids)) != len(slot_ids):
+                raise ValueError(f"state slots must be distinct and in [0, {num_slots}), got {slot_ids.tolist()}")
             fresh = [s.state_slot for s in ordered if s.start == 0]
             if fresh:
                 # A sequence starting at position 0 (new, or recomputing after preemption) starts from zero state.
-                # On CPU through NumPy: Paddle's indexed assignment took 4 ms per layer for 32 slots.
-                for pool in self.state_pool:
-                    if pool.place.is_cpu_place():
-                        np.from_dlpack(pool)[fresh] = 0.0
-                    else:
-                        pool[paddle.to_tensor(fresh)] = 0.0
+                self.backend.zero_state(self.state_pool, fresh)
 
         rows, sample_at, prompt_at = [], {}, {}
         for b, s in enumerate(ordered):
@@ -161,14 +155,13 @@ class ModelRunner:
             cu_seqlens_q=cu,
             block_tables=block_tables,
             caches=self.caches,
-            attn_metadata=build_attention_metadata(lens, starts, block_tables, self.block_size, num_decode,
-                                                   output_rows) if self.caches else None,
             num_decode=num_decode,
             state_pool=self.state_pool,
             slot_ids=slot_ids,
             output_rows=output_rows,
             extra={"requests": ordered},
         )
+        self.backend.init_attention_metadata(meta)
         hidden = self.model(meta.ids_remove_padding, meta)
 
         logits = None

@@ -1,4 +1,4 @@
-"""Vocab-parallel embedding and LM head (fp32 logits)."""
+"""Vocab-parallel embedding and LM head (logits in max(float32, compute dtype))."""
 
 from __future__ import annotations
 
@@ -12,8 +12,17 @@ from fastdeploy_ext.distributed.communication import (
     tp_rank,
     tp_size,
 )
-from fastdeploy_ext.layers.linear import compute_dtype
-from fastdeploy_ext.layers.utils import WeightLoadError, as_float32, assign, check_shape, create_param, mark_loaded, shape_of
+from fastdeploy_ext.layers.utils import (
+    WeightLoadError,
+    accum_dtype,
+    as_float32,
+    assign,
+    check_shape,
+    compute_dtype,
+    create_param,
+    mark_loaded,
+    shape_of,
+)
 
 
 class VocabParallelEmbedding(nn.Layer):
@@ -55,10 +64,10 @@ class VocabParallelEmbedding(nn.Layer):
 
 
 class ParallelLMHead(nn.Layer):
-    """Vocab-parallel output projection in fp32; ``forward`` returns full fp32 logits ``[T, V]``.
+    """Vocab-parallel output projection; ``forward`` returns full logits ``[T, V]``.
 
-    Parameter ``linear.weight``: ``[embedding_dim, num_embeddings / tp]`` (fp32 whatever the model dtype:
-    MiniMax and Qwen2 logits lose top-k order in bf16)."""
+    Parameter ``linear.weight``: ``[embedding_dim, num_embeddings / tp]`` in max(float32, compute dtype) (fp32
+    under bf16: MiniMax and Qwen2 logits lose top-k order in bf16)."""
 
     def __init__(self, fd_config, embedding_dim: int, num_embeddings: int, prefix: str = "lm_head"):
         super().__init__()
@@ -68,7 +77,7 @@ class ParallelLMHead(nn.Layer):
         self.tp_size, self.tp_rank = tp_size(fd_config), tp_rank(fd_config)
         self.per_rank = divide(num_embeddings, self.tp_size, f"{prefix}: vocab_size / tensor_parallel_size")
         self.linear = nn.Layer()
-        self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], "float32")
+        self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], accum_dtype(fd_config))
         self.linear.weight.weight_loader = self.weight_loader
         self.linear.weight.param_path = f"{prefix}.linear.weight"
 
@@ -81,13 +90,15 @@ class ParallelLMHead(nn.Layer):
         mark_loaded(param)
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
-        """``hidden`` ``[T, H]`` → fp32 logits ``[T, V]``."""
-        logits = paddle.matmul(hidden.astype("float32"), self.linear.weight)
+        """``hidden`` ``[T, H]`` → logits ``[T, V]`` in the weight's dtype."""
+        logits = paddle.matmul(hidden.astype(self.linear.weight.dtype), self.linear.weight)
         return tensor_model_parallel_all_gather(logits, self.fd_config, axis=-1)
 
 
 def tied_lm_logits(embed_tokens: VocabParallelEmbedding, hidden: paddle.Tensor, fd_config) -> paddle.Tensor:
-    """fp32 logits ``[T, V]`` from the (vocab-parallel) input embedding, for tied ``lm_head`` configs."""
-    weight = embed_tokens.embeddings.weight.astype("float32")
-    logits = paddle.matmul(hidden.astype("float32"), weight, transpose_y=True)
+    """Logits ``[T, V]`` in max(float32, compute dtype) from the (vocab-parallel) input embedding, for tied
+    ``lm_head`` configs."""
+    dtype = accum_dtype(fd_config)
+    weight = embed_tokens.embeddings.weight.astype(dtype)
+    logits = paddle.matmul(hidden.astype(dtype), weight, transpose_y=True)
     return tensor_model_parallel_all_gather(logits, fd_config, axis=-1)

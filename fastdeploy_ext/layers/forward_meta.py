@@ -24,6 +24,8 @@ class ForwardMeta:
       tensor updated in place; ``slot_ids`` ``[B]`` int64, each sequence's slot (runner-owned)
     - ``output_rows``: when set (only for a model with ``selects_output_rows``), the ascending token
       rows whose hidden states the caller needs; the model returns ``[len(output_rows), hidden]``
+    - ``attn_metadata`` / ``linear_attn_metadata``: filled once per step by the runner's
+      ``AttentionBackend.init_attention_metadata`` (layers/backend.py)
     """
 
     ids_remove_padding: paddle.Tensor
@@ -34,9 +36,10 @@ class ForwardMeta:
     cu_seqlens_q: np.ndarray
     block_tables: np.ndarray
     caches: list
-    attn_metadata: Any
     num_decode: int
     state_pool: Any = None
     slot_ids: Any = None
     output_rows: np.ndarray | None = None
+    attn_metadata: Any = None
+    linear_attn_metadata: Any = None
     extra: dict = field(default_factory=dict)

@@ -1,8 +1,8 @@
 """MiniMax-M1 / MiniMax-Text-01: hybrid decoder of lightning (linear) attention layers and GQA softmax
 layers with partial NeoX RoPE, every layer followed by a top-k SwiGLU MoE, DeepNorm residuals.
 
-Caches: paged KV only for the softmax layers (compact ``kv_cache_index`` 0..n_full-1); one fp32 recurrent
-state ``[H/tp, D, D]`` per lightning layer and sequence in the runner's state pool. Math and checkpoint
+Caches: paged KV only for the softmax layers (compact ``kv_cache_index`` 0..n_full-1); one recurrent state
+``[H/tp, D, D]`` (max(float32, compute dtype)) per lightning layer and sequence in the runner's state pool. Math and checkpoint
 names: docs/models/minimax_m1.md.
 """
 
@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-import paddle
 from paddle import nn
-from paddle.utils import dlpack
 
 from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
 from fastdeploy_ext.layers.attention import Attention
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy_ext.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata
+from fastdeploy_ext.layers.linear_attention import LinearAttention
 from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
-from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
+from fastdeploy_ext.layers.utils import WeightLoadError, accum_dtype, backend_of, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
-from fastdeploy_ext.ops.host.host_threads import run_chunked
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
 from fastdeploy_ext.quantization.methods import check_components_complete
 
@@ -36,7 +32,7 @@ class MiniMaxM1MoE(nn.Layer):
     def __init__(self, fd_config, cfg: MiniMaxM1Config, prefix: str):
         super().__init__()
         self.gate = ReplicatedLinear(fd_config, f"{prefix}.gate", cfg.hidden_size, cfg.num_local_experts,
-                                     weight_dtype="float32")
+                                     weight_dtype=accum_dtype(fd_config))
         self.experts = FusedMoE(fd_config, cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
                                 cfg.num_experts_per_tok, renormalize=True, prefix=f"{prefix}.experts")
 
@@ -97,40 +93,28 @@ class MiniMaxM1DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps,
                                                 f"{prefix}.post_attention_layernorm")
         self.block_sparse_moe = MiniMaxM1MoE(fd_config, cfg, f"{prefix}.block_sparse_moe")
+        if backend_of(fd_config) == "host":
+            from fastdeploy_ext.ops.host.residual import scaled_sum
 
-    def forward(self, positions, x, forward_meta, linear_meta):
+            self._scaled_sum = scaled_sum
+        else:
+            self._scaled_sum = _scaled_sum
+
+    def forward(self, positions, x, forward_meta):
         """``x`` ``[T, hidden]`` → ``[T, hidden]``."""
         a, _ = self.input_layernorm(x)
         if self.is_linear:
-            attn = self.self_attn(a, forward_meta, linear_meta)
+            attn = self.self_attn(a, forward_meta)
         else:
             attn = self.self_attn(positions, a, forward_meta)
-        h = _scaled_sum(self.attn_alpha, a if self.postnorm else x, self.attn_beta, attn)
+        h = self._scaled_sum(self.attn_alpha, a if self.postnorm else x, self.attn_beta, attn)
         b, _ = self.post_attention_layernorm(h)
-        return _scaled_sum(self.mlp_alpha, b if self.postnorm else h, self.mlp_beta, self.block_sparse_moe(b))
+        return self._scaled_sum(self.mlp_alpha, b if self.postnorm else h, self.mlp_beta, self.block_sparse_moe(b))
 
 
-# Rows from which the residual sum runs in NumPy: [T, 512] fp32, 2 threads, Paddle's three ops vs NumPy's
-# passes plus the DLPack round trips: 64 rows 19 vs 42 us, 256 rows 163 vs 169 us, 2048 rows 4.4 vs 1.0 ms.
-_HOST_RESIDUAL_ROWS = 512
-
-
-def _scaled_sum(alpha: float, x: paddle.Tensor, beta: float, y: paddle.Tensor) -> paddle.Tensor:
-    """``alpha * x + beta * y`` (the DeepNorm residual), in the same fp32 operations either way."""
-    if (x.shape[0] < _HOST_RESIDUAL_ROWS or not x.place.is_cpu_place()
-            or not x.dtype == y.dtype == paddle.float32):
-        return alpha * x + beta * y
-    xh, yh = np.from_dlpack(x.contiguous()), np.from_dlpack(y.contiguous())
-    out = np.empty_like(xh)
-    a, b = np.float32(alpha), np.float32(beta)
-
-    def rows(c):
-        o = out[c]
-        np.multiply(xh[c], a, out=o)
-        o += yh[c] * b
-
-    run_chunked(rows, xh.shape[0], xh.shape[1])
-    return dlpack.from_dlpack(out)
+def _scaled_sum(alpha: float, x, beta: float, y):
+    """``alpha * x + beta * y`` (the DeepNorm residual) in x's dtype (Python float scalars do not promote)."""
+    return alpha * x + beta * y
 
 
 class MiniMaxM1Model(nn.Layer):
@@ -140,7 +124,7 @@ class MiniMaxM1Model(nn.Layer):
         self.embed_tokens = VocabParallelEmbedding(fd_config, cfg.vocab_size, cfg.hidden_size, f"{prefix}.embed_tokens")
         # NeoX pairing (i, i + rotary_dim/2) on the leading rotary_dim channels, ladder over rotary_dim.
         rope = get_rope(cfg.head_dim, fd_config.scheduler_config.max_model_len, cfg.rope_theta,
-                        rotary_dim=cfg.rotary_dim, style="neox")
+                        rotary_dim=cfg.rotary_dim, style="neox", fd_config=fd_config)
         layers, n_linear, n_full = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             # Compact cache indices: state pool ordinal for lightning layers, KV cache ordinal for GQA layers.
@@ -153,9 +137,8 @@ class MiniMaxM1Model(nn.Layer):
 
     def forward(self, ids_remove_padding, forward_meta):
         hidden = self.embed_tokens(ids_remove_padding)
-        linear_meta = LinearAttentionMetadata.from_forward_meta(forward_meta) if self.num_linear_layers else None
         for layer in self.layers:
-            hidden = layer(forward_meta.position_ids, hidden, forward_meta, linear_meta)
+            hidden = layer(forward_meta.position_ids, hidden, forward_meta)
         hidden, _ = self.norm(hidden)
         return hidden
 
@@ -216,7 +199,8 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
         if not self.model.num_linear_layers:
             return None
         attn = next(layer.self_attn for layer in self.model.layers if layer.is_linear)
-        return StateCacheSpec(self.model.num_linear_layers, (attn.heads_per_rank, attn.head_dim, attn.head_dim))
+        return StateCacheSpec(self.model.num_linear_layers, (attn.heads_per_rank, attn.head_dim, attn.head_dim),
+                               attn.acc)
 
     def load_weights(self, weights) -> set:
         """Route every checkpoint tensor (either format, fp32 or bf16) to one parameter's loader; raise on

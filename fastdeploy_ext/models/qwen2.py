@@ -85,7 +85,7 @@ class Qwen2DecoderLayer(nn.Layer):
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, forward_meta, output_only)
         if output_only:
-            residual = paddle.gather(residual, paddle.to_tensor(forward_meta.output_rows))
+            residual = paddle.gather(residual, forward_meta.attn_metadata.output_rows_tensor)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -97,7 +97,7 @@ class Qwen2Model(nn.Layer):
         self.embed_tokens = VocabParallelEmbedding(fd_config, cfg.vocab_size, cfg.hidden_size, f"{prefix}.embed_tokens")
         max_len = fd_config.scheduler_config.max_model_len
         # One table for all layers: it is a constant of (head_dim, theta, max_model_len).
-        rope = get_rope(cfg.head_dim, max_len, cfg.rope_theta)
+        rope = get_rope(cfg.head_dim, max_len, cfg.rope_theta, fd_config=fd_config)
         self.layers = nn.LayerList(
             [Qwen2DecoderLayer(fd_config, cfg, i, rope, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)]
         )

@@ -244,7 +244,7 @@ def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
     from fastdeploy_ext.ops.lightning_attn.triton_kernels import LaunchConfig, lightning_attn_prefill
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match=r"launch_config.gluon needs torch CUDA tensors on a Hopper \(sm_90\) GPU"):
+    with pytest.raises(ValueError, match=r"launch_config.gluon needs CUDA tensors \(torch or Paddle\) on a Hopper \(sm_90\) GPU"):
         lightning_attn_prefill(**_torch_prefill_args(), launch_config=LaunchConfig(16, 8, gluon=True))
 
 
@@ -256,14 +256,36 @@ def test_gluon_path_only_for_outputs_it_can_store(q_dtype, out_dtype, want):
     from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
     class Hopper(tk._TorchOps):
-        def is_hopper(self, t):
-            return True
+        def capability(self, t):
+            return (9, 0)
 
     q = torch.zeros(4, 2, 128, dtype=getattr(torch, q_dtype))
     out = torch.zeros(4, 2, 128, dtype=getattr(torch, out_dtype))
     assert tk._gluon_ok(Hopper(), q, out, "tf32", 64) is want
     assert tk._gluon_ok(Hopper(), q, out, "ieee", 64) is False
     assert tk._gluon_ok(tk._TorchOps(), q, out, "tf32", 64) is False  # CPU tensors
+
+
+@pytest.mark.parametrize(
+    "capability, dtype, out_dtype, head_dim, block_size, precision, heads, tokens, want",
+    [((9, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 64, 32768, "gluon"),  # M1 at tp=1, bf16 prefill
+     ((9, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 8, 32768, "triton"),  # M1 at tp=8: few heads, bf16
+     ((9, 0), "float32", "float32", 128, 64, "tf32", 8, 32768, "gluon"),
+     ((9, 0), "float32", "float32", 128, 64, "tf32", 8, 4096, "triton"),  # few heads, short: host-bound
+     ((9, 0), "float32", "float32", 128, 64, "tf32", 64, 17, "gluon"),
+     ((9, 0), "bfloat16", "float32", 128, 64, "tf32", 64, 32768, "triton"),  # bf16 TMA stores need a bf16 out
+     ((9, 0), "float32", "float32", 128, 64, "ieee", 64, 32768, "triton"),
+     ((9, 0), "float32", "float32", 64, 64, "tf32", 64, 32768, "triton"),  # D other than 128
+     ((9, 0), "float32", "float32", 128, 128, "tf32", 64, 32768, "triton"),
+     ((8, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 64, 32768, "triton"),  # A100
+     ((10, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 64, 32768, "triton"),  # Blackwell: wgmma is sm_90 only
+     (None, "float32", "float32", 128, 64, "tf32", 64, 32768, "triton")],  # CPU interpreter
+)
+def test_prefill_kernel_dispatch_rule(capability, dtype, out_dtype, head_dim, block_size, precision, heads, tokens,
+                                      want):
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import prefill_kernel
+
+    assert prefill_kernel(capability, dtype, out_dtype, head_dim, block_size, precision, heads, tokens) == want
 
 
 @pytest.mark.parametrize(

@@ -543,12 +543,17 @@ def _segment_state_kernel(
     gl.store(buf_ptr + (dest * H + i_h) * D * D + (u_k[:, None] * D + u_v[None, :]), acc)
 
 
-def segment_state(k, v, slopes, buf, jobs_t, n_jobs, *, block_size, num_warps=8, stages=3):
-    """Launch 1 of a split float32 prefill on Hopper (torch tensors): U of every job into ``buf``."""
+def _direct_launch(kernel, grid, args, **meta):
+    kernel[grid](*args, **meta)
+
+
+def segment_state(k, v, slopes, buf, jobs_t, n_jobs, *, block_size, num_warps=8, stages=3, launch=_direct_launch):
+    """Launch 1 of a split float32 prefill on Hopper: U of every job into ``buf``. Tensors of torch or Paddle;
+    ``launch(kernel, grid, args, **meta)`` is the framework's launcher (Paddle launches under its torch proxy)."""
     num_heads, head_dim = k.shape[1], k.shape[2]
     (k_d,) = descriptors(k, block_size=block_size)
-    _segment_state_kernel[(1, num_heads, n_jobs)](k_d, v, slopes, buf, jobs_t, H=num_heads, D=head_dim, BT=block_size,
-                                                  STAGES=stages, num_warps=num_warps)
+    launch(_segment_state_kernel, (1, num_heads, n_jobs), [k_d, v, slopes, buf, jobs_t], H=num_heads, D=head_dim,
+           BT=block_size, STAGES=stages, num_warps=num_warps)
 
 
 @functools.cache
@@ -559,27 +564,27 @@ def _host_layout(rows, cols, bitwidth):
 
 def descriptors(*qk, block_size, v=None, block_v=None, out=None):
     """TMA descriptors over ``[T, H * D]`` views of q, k (whole heads) and v, out (``block_v``-wide tiles), torch
-    tensors."""
-    bits = 32 if qk[0].dtype.itemsize == 4 else 16
+    or Paddle tensors (``element_size()`` and ``view(list)`` mean the same in both)."""
+    bits = 32 if qk[0].element_size() == 4 else 16
     tiles = [(t, t.shape[2]) for t in qk] + [(t, block_v) for t in (v, out) if t is not None]
     descs = []
     for t, width in tiles:
-        flat = t.view(t.shape[0], t.shape[1] * t.shape[2])
+        flat = t.view([t.shape[0], t.shape[1] * t.shape[2]])
         block = [block_size, width]
         descs.append(TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], block, _host_layout(*block, bits)))
     return descs
 
 
 def prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, n_segs, *, block_size, block_v,
-                   num_warps=4, stages=3):
+                   num_warps=4, stages=3, launch=_direct_launch):
     num_heads, head_dim = q.shape[1], q.shape[2]
     grid = (head_dim // block_v, num_heads, n_segs)
     meta = {"H": num_heads, "D": head_dim, "BT": block_size, "BV": block_v, "STAGES": stages, "num_warps": num_warps}
-    if q.dtype.itemsize == 2:
+    if q.element_size() == 2:
         q_d, k_d, v_d, o_d = descriptors(q, k, block_size=block_size, v=v, block_v=block_v, out=out)
         kernel, args = _output_kernel_ws, (q_d, k_d, v_d, o_d, out)
     else:
         q_d, k_d = descriptors(q, k, block_size=block_size)
         kernel, args = _output_kernel_ws32, (q_d, k_d, v, out)
-    kernel[grid](*args, slopes, state_pool, buf, seg_t, slot_ids, num_slots, **meta)
+    launch(kernel, grid, [*args, slopes, state_pool, buf, seg_t, slot_ids, num_slots], **meta)
     return out

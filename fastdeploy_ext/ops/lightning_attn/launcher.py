@@ -127,9 +127,11 @@ class PaddleOps:
             return None
         return self.paddle.device.cuda.get_device_properties(t.place.gpu_device_id()).multi_processor_count
 
-    def is_hopper(self, t):
-        # The Gluon kernel builds its TMA descriptors from torch tensors; Paddle tensors keep the Triton kernel.
-        return False
+    def capability(self, t):
+        """``(major, minor)`` of a GPU tensor's device, None elsewhere (the CPU interpreter included)."""
+        if not self.is_cuda(t) or interpreter_enabled():
+            return None
+        return tuple(self.paddle.device.cuda.get_device_capability(t.place.gpu_device_id()))
 
     def is_capturing(self, t):
         # Paddle exposes no per-stream "is capturing" query; callers that capture CUDA graphs pass

@@ -23,7 +23,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fastdeploy_ext.ops.lightning_attn import launcher
+from fastdeploy_ext.ops.lightning_attn import checks, launcher
 
 __all__ = ["lightning_attn_prefill", "lightning_attn_decode", "LaunchConfig", "SUPPORTED_HEAD_DIMS"]
 
@@ -386,7 +386,7 @@ def lightning_attn_prefill(
     _check_block_v(cfg, head_dim)
     if cfg.gluon and not (gluon_ok and cfg.block_v == 64):
         raise ValueError(
-            "launch_config.gluon needs torch CUDA tensors on a Hopper (sm_90) GPU, precision='tf32', block_size=64, "
+            "launch_config.gluon needs CUDA tensors (torch or Paddle) on a Hopper (sm_90) GPU, precision='tf32', block_size=64, "
             "D=128, block_v=64 and, for bfloat16 inputs, a bfloat16 out; got "
             f"{ops.name} tensors on {ops.device_key(q)}, precision={precision!r}, block_size={block_size}, "
             f"D={head_dim}, block_v={cfg.block_v}, {_dtype_name(q)} inputs, {_dtype_name(out)} out"
@@ -400,18 +400,10 @@ def lightning_attn_prefill(
     cu = np.asarray(ops.to_host(cu_seqlens) if cu_seqlens_cpu is None else _host_array(cu_seqlens_cpu), np.int64)
     if cu.ndim != 1 or cu.shape[0] != cu_seqlens.shape[0]:
         raise ValueError(f"cu_seqlens_cpu must match cu_seqlens' shape {list(cu_seqlens.shape)}, got {list(cu.shape)}")
-    if cu.shape[0] < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must start at 0, be non-decreasing and end at total_tokens={total}, got {cu.tolist()}"
-        )
-    if slot_ids.shape[0] != cu.shape[0] - 1:
-        raise ValueError(f"slot_ids has {slot_ids.shape[0]} entries but cu_seqlens describes {cu.shape[0] - 1} sequences")
+    checks.check_cu_seqlens(cu, total)
+    checks.check_slot_count(slot_ids.shape[0], cu.shape[0] - 1)
     if check_slots:
-        slots = ops.to_host(slot_ids).astype(np.int64)
-        if np.any(slots < 0) or np.any(slots >= num_slots):
-            raise ValueError(f"slot_ids must lie in [0, {num_slots}) for prefill, got {slots.tolist()}")
-        if np.unique(slots).shape[0] != slots.shape[0]:
-            raise ValueError(f"slot_ids must be distinct within one prefill batch, got {slots.tolist()}")
+        checks.check_prefill_slots(ops.to_host(slot_ids).astype(np.int64), num_slots)
     if total >= 2**31:
         raise ValueError(f"total_tokens={total} does not fit the int32 segment table")
 
@@ -426,7 +418,7 @@ def lightning_attn_prefill(
     dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
     buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
     if jobs.shape[0] and cfg.gluon and _dtype_name(q) == "float32":
-        _gluon().segment_state(k, v, slopes, buf, jobs_t, jobs.shape[0], block_size=block_size)
+        _gluon().segment_state(k, v, slopes, buf, jobs_t, jobs.shape[0], block_size=block_size, launch=ops.launch)
     elif jobs.shape[0]:
         ops.launch(
             _segment_state_kernel,
@@ -453,7 +445,7 @@ def lightning_attn_prefill(
     if cfg.gluon:
         _gluon().prefill_output(q, k, v, out, slopes, state_pool, buf, seg_t, slot_ids, num_slots, seg.shape[0],
                                 block_size=block_size, block_v=cfg.block_v, num_warps=cfg.num_warps,
-                                stages=cfg.num_stages)
+                                stages=cfg.num_stages, launch=ops.launch)
         return out
     ops.launch(
         _segment_output_kernel,
@@ -500,12 +492,7 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids, *, check_slots=
     if check_slots:
         if ops.is_capturing(q):
             raise ValueError("check_slots=True copies slot_ids to the host; pass check_slots=False under graph capture")
-        slots = ops.to_host(slot_ids).astype(np.int64)
-        if np.any(slots < -1) or np.any(slots >= num_slots):
-            raise ValueError(f"slot_ids must lie in [0, {num_slots}) or be -1, got {slots.tolist()}")
-        live = slots[slots >= 0]
-        if np.unique(live).shape[0] != live.shape[0]:
-            raise ValueError(f"non-padding slot_ids must be distinct, got {slots.tolist()}")
+        checks.check_decode_slots(ops.to_host(slot_ids).astype(np.int64), num_slots)
     if batch == 0:
         return out
     if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
@@ -601,11 +588,25 @@ def _segment_len(ops, like, cu, block_size, programs_per_segment):
     return max(16 * block_size, int(-(-tokens_per_program // block_size) * block_size))
 
 
+def prefill_kernel(capability, dtype_name, out_dtype_name, head_dim, block_size, precision, num_heads, total_tokens):
+    """Which prefill kernels a call takes: ``"gluon"`` (the warp-specialised Hopper kernels) or ``"triton"``.
+    ``capability`` is the device's ``(major, minor)``, None off a GPU (the CPU interpreter included)."""
+    if not _gluon_eligible(capability, dtype_name, out_dtype_name, head_dim, block_size, precision):
+        return "triton"
+    cfg = _default_prefill_config(head_dim, dtype_name, num_heads, block_size, True, total_tokens)
+    return "gluon" if cfg.gluon else "triton"
+
+
+def _gluon_eligible(capability, dtype_name, out_dtype_name, head_dim, block_size, precision):
+    # sm_90, TF32 mode and the measured shapes. The bf16 kernel stores whole output chunks by TMA from bf16 tiles,
+    # so its out must be bf16 too (the float32 kernel converts in its register stores).
+    return (precision == "tf32" and capability is not None and tuple(capability) == (9, 0)
+            and _gluon().supports(head_dim, block_size, dtype_name)
+            and (dtype_name == "float32" or out_dtype_name == dtype_name))
+
+
 def _gluon_ok(ops, q, out, precision, block_size):
-    # The bf16 kernel stores whole output chunks by TMA from bf16 tiles, so its out must be bf16 too (the float32
-    # kernel converts in its register stores).
-    return (precision == "tf32" and ops.is_hopper(q) and _gluon().supports(q.shape[2], block_size, _dtype_name(q))
-            and (_dtype_name(q) == "float32" or _dtype_name(out) == _dtype_name(q)))
+    return _gluon_eligible(ops.capability(q), _dtype_name(q), _dtype_name(out), q.shape[2], block_size, precision)
 
 
 def _gluon():
@@ -657,8 +658,10 @@ class _TorchOps:
             return None
         return self.torch.cuda.get_device_properties(t.device).multi_processor_count
 
-    def is_hopper(self, t):
-        return self.is_cuda(t) and not launcher.interpreter_enabled() and self.torch.cuda.get_device_capability(t.device) == (9, 0)
+    def capability(self, t):
+        if not self.is_cuda(t) or launcher.interpreter_enabled():
+            return None
+        return tuple(self.torch.cuda.get_device_capability(t.device))
 
     def is_capturing(self, t):
         return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()

@@ -1,8 +1,12 @@
-"""Paged softmax attention: the CPU host decode path (per-sequence views or page copies, one segmented
-softmax) against the padded-batch path and a float64 formula, and the block manager's placement.
+"""Paged softmax attention, each backend's implementation (host: NumPy/MKL on CPU float32; device: Paddle ops
+in float32 and float64) against a float64 formula: decodes over per-sequence views or page copies, prefill
+chunks in 128-row tiles, output-only rows, batched fresh prompts; and the block manager's placement.
 
-Tolerance: 1e-5 relative (fp32, one softmax and two dot products of <= 300 terms per output).
+Tolerance: 1e-5 relative in float32 (one softmax and two dot products of <= 300 terms per output), 1e-12 in
+float64.
 """
+
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
@@ -13,7 +17,13 @@ from fastdeploy_ext.layers.attention import Attention, build_attention_metadata
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 8, 2, 64
-REL_TOL = 1e-5
+IMPLS = [("host", "float32"), ("device", "float32"), ("device", "float64")]
+TOL = {"float32": 1e-5, "float64": 1e-12}
+
+
+def _attention(backend, dtype):
+    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype))
+    return Attention(cfg, HEADS, KV_HEADS, DIM, kv_cache_index=0)
 
 
 def _pages(rng, lengths, num_blocks, contiguous):
@@ -40,9 +50,7 @@ def _decode_step(seed, lengths, contiguous):
     q = rng.standard_normal([len(lengths), HEADS, DIM]).astype(np.float32)
     k = rng.standard_normal([len(lengths), KV_HEADS, DIM]).astype(np.float32)
     v = rng.standard_normal([len(lengths), KV_HEADS, DIM]).astype(np.float32)
-    meta = build_attention_metadata(np.ones(len(lengths), np.int64), np.array(lengths) - 1, tables, BLOCK,
-                                    num_decode=len(lengths))
-    return q, k, v, k_cache, v_cache, pages, meta
+    return q, k, v, k_cache, v_cache, pages, tables
 
 
 def _reference(q, k, v, k_cache, v_cache, pages, lengths):
@@ -60,49 +68,51 @@ def _reference(q, k, v, k_cache, v_cache, pages, lengths):
     return out
 
 
-def _run(attn, q, k, v, k_cache, v_cache, meta):
-    caches = [(paddle.to_tensor(k_cache), paddle.to_tensor(v_cache))]
+def _run(attn, dtype, q, k, v, k_cache, v_cache, meta, output_only=False):
+    """The layer on one step; returns float64 output ``[T, Hq, D]`` and the caches it wrote."""
+    caches = [(paddle.to_tensor(k_cache.astype(dtype)), paddle.to_tensor(v_cache.astype(dtype)))]
     fm = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=None, seq_lens_encoder=None,
                      seq_lens_decoder=None, cu_seqlens_q=None, block_tables=None, caches=caches,
                      attn_metadata=meta, num_decode=meta.num_decode)
-    out = attn(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), fm)
-    return out.numpy().reshape(q.shape), caches[0]
+    out = attn(*(paddle.to_tensor(x.astype(dtype)) for x in (q, k, v)), fm, output_only=output_only)
+    assert out.dtype == getattr(paddle, dtype)  # the input dtype, whatever the scores ran in
+    return out.numpy().astype(np.float64).reshape(-1, HEADS, DIM), caches[0]
+
+
+def _meta(n_new, cached, tables, num_decode, dtype, output_rows=None):
+    return build_attention_metadata(np.asarray(n_new, np.int64), np.asarray(cached), tables, BLOCK,
+                                    num_decode=num_decode, output_rows=output_rows, dtype=dtype)
 
 
 def _rel_err(a, b):
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("backend, dtype", IMPLS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_host_decode_matches_padded_batches_and_float64(seed, contiguous):
+def test_decode_matches_float64(backend, dtype, seed, contiguous):
     lengths = [1, 17, 255, 257, 16, 33, 100][: 4 + seed * 1]
-    q, k, v, k_cache, v_cache, pages, meta = _decode_step(seed, lengths, contiguous)
+    q, k, v, k_cache, v_cache, pages, tables = _decode_step(seed, lengths, contiguous)
+    meta = _meta(np.ones(len(lengths)), np.array(lengths) - 1, tables, len(lengths), dtype)
     assert (meta.decodes.first_rows >= 0).all() == contiguous
-    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
-    host, (kc, vc) = _run(attn, q, k, v, k_cache, v_cache, meta)  # writes the new rows into kc, vc
-    qs = paddle.to_tensor(q) * attn.scale
-    padded = paddle.concat([attn._decode(qs[g.start:g.start + g.count], kc, vc, g, BLOCK)
-                            for g in meta.decodes.padded_groups(BLOCK)]).numpy()
-    ref = _reference(q, k, v, k_cache, v_cache, pages, lengths)
-    assert _rel_err(host, ref) < REL_TOL
-    assert _rel_err(padded, ref) < REL_TOL
-    assert np.abs(host - padded).max() < 1e-5
+    got, _ = _run(_attention(backend, dtype), dtype, q, k, v, k_cache, v_cache, meta)
+    assert _rel_err(got, _reference(q, k, v, k_cache, v_cache, pages, lengths)) < TOL[dtype]
 
 
-def test_host_decode_mixed_views_and_copies():
+@pytest.mark.parametrize("backend, dtype", IMPLS)
+def test_decode_mixed_views_and_copies(backend, dtype):
     """Some sequences' pages consecutive, others not, in one step."""
     lengths = [5, 40, 300, 129]
-    q, k, v, k_cache, v_cache, pages, meta = _decode_step(3, lengths, contiguous=True)
+    q, k, v, k_cache, v_cache, pages, _ = _decode_step(3, lengths, contiguous=True)
     tables = np.zeros([4, max(len(p) for p in pages)], np.int64)
     pages[1], pages[3] = pages[1][::-1].copy(), np.roll(pages[3], 1)
     for b, p in enumerate(pages):
         tables[b, : len(p)] = p
-    meta = build_attention_metadata(np.ones(4, np.int64), np.array(lengths) - 1, tables, BLOCK, num_decode=4)
+    meta = _meta(np.ones(4), np.array(lengths) - 1, tables, 4, dtype)
     assert list(meta.decodes.first_rows >= 0) == [True, False, True, False]
-    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
-    host, _ = _run(attn, q, k, v, k_cache, v_cache, meta)
-    assert _rel_err(host, _reference(q, k, v, k_cache, v_cache, pages, lengths)) < REL_TOL
+    got, _ = _run(_attention(backend, dtype), dtype, q, k, v, k_cache, v_cache, meta)
+    assert _rel_err(got, _reference(q, k, v, k_cache, v_cache, pages, lengths)) < TOL[dtype]
 
 
 def test_block_manager_keeps_sequences_contiguous():
@@ -133,87 +143,8 @@ def test_block_manager_fragmented_pool():
     assert nxt != held[1] and len(nxt) == 1
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("ctx,n", [(0, 1), (0, 17), (0, 257), (40, 1), (255, 130), (16, 300)])
-def test_host_prefill_softmax_matches_masked_path_and_float64(seed, ctx, n):
-    """A chunk of ``n`` queries after ``ctx`` cached tokens (tiles of 128 rows): NumPy causal softmax
-    on the scores' memory vs Paddle's mask add + softmax, and a float64 formula."""
-    from fastdeploy_ext.layers.attention import PrefillSeq
-
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal([n, HEADS, DIM]).astype(np.float32)
-    keys = rng.standard_normal([KV_HEADS, ctx + n, DIM]).astype(np.float32)
-    vals = rng.standard_normal([KV_HEADS, ctx + n, DIM]).astype(np.float32)
-    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
-    p = PrefillSeq(0, n, ctx, np.zeros(0, np.int64))
-    qs, kt, vt = paddle.to_tensor(q) * attn.scale, paddle.to_tensor(keys), paddle.to_tensor(vals)
-    host = attn._prefill(qs, kt, vt, p).numpy()
-    masked = paddle.concat([attn._attend(qs[a:a + 128], kt[:, :ctx + min(a + 128, n)], vt[:, :ctx + min(a + 128, n)],
-                                         p.mask[a:a + 128, :ctx + min(a + 128, n)])
-                            for a in range(0, n, 128)]).numpy()
-    ref = np.zeros(q.shape)
-    g = HEADS // KV_HEADS
-    for i in range(n):
-        for h in range(HEADS):
-            s = keys[h // g, : ctx + i + 1].astype(np.float64) @ q[i, h] / np.sqrt(DIM)
-            w = np.exp(s - s.max())
-            ref[i, h] = (w / w.sum()) @ vals[h // g, : ctx + i + 1]
-    assert _rel_err(host, ref) < REL_TOL
-    assert _rel_err(masked, ref) < REL_TOL
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_output_only_rows_equal_full_step_rows(seed):
-    """A mixed step (two decodes, a fresh prompt, a chunk after 40 cached tokens, a 1-token chunk):
-    attending for the output rows alone gives those rows of the full step, and caches every k/v."""
-    rng = np.random.default_rng(seed)
-    n_new, cached = np.array([1, 1, 20, 5, 1]), np.array([30, 7, 0, 40, 16])
-    pages = _pages(rng, list(n_new + cached), 64, contiguous=bool(seed))
-    tables = np.zeros([len(pages), max(len(p) for p in pages)], np.int64)
-    for b, p in enumerate(pages):
-        tables[b, : len(p)] = p
-    t = int(n_new.sum())
-    rows = np.cumsum(n_new) - 1
-    k_cache = rng.standard_normal([KV_HEADS, 64 * BLOCK, DIM]).astype(np.float32)
-    v_cache = rng.standard_normal([KV_HEADS, 64 * BLOCK, DIM]).astype(np.float32)
-    q, k, v = (rng.standard_normal([t, h, DIM]).astype(np.float32) for h in (HEADS, KV_HEADS, KV_HEADS))
-    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
-    full_meta = build_attention_metadata(n_new, cached, tables, BLOCK, num_decode=2)
-    full, (kc_full, _) = _run(attn, q, k, v, k_cache, v_cache, full_meta)
-    out_meta = build_attention_metadata(n_new, cached, tables, BLOCK, num_decode=2, output_rows=rows)
-    caches = [(paddle.to_tensor(k_cache), paddle.to_tensor(v_cache))]
-    fm = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=None, seq_lens_encoder=None,
-                     seq_lens_decoder=None, cu_seqlens_q=None, block_tables=None, caches=caches,
-                     attn_metadata=out_meta, num_decode=2)
-    got = attn(paddle.to_tensor(q), paddle.to_tensor(k), paddle.to_tensor(v), fm, output_only=True).numpy()
-    assert got.shape == (len(rows), HEADS * DIM)
-    assert np.abs(got - full.reshape(t, -1)[rows]).max() < 1e-5
-    assert np.array_equal(caches[0][0].numpy(), kc_full.numpy())
-
-
-@pytest.mark.parametrize("seed", [3, 4])
-def test_fresh_prompts_batched_on_host_match_float64(seed):
-    """A step of a decode, fresh prompts of 17, 17, 17, 1, 100, 100 and 255 tokens (runs of equal lengths are
-    batched; 255 exceeds one tile and takes the per-prompt path) and a chunk after 40 cached tokens, against
-    a float64 formula over the cache the step wrote."""
-    rng = np.random.default_rng(seed)
-    n_new = np.array([1, 17, 17, 17, 1, 100, 100, 255, 5])
-    cached = np.array([30, 0, 0, 0, 0, 0, 0, 0, 40])
-    pages = _pages(rng, list(n_new + cached), 128, contiguous=bool(seed % 2))
-    tables = np.zeros([len(pages), max(len(p) for p in pages)], np.int64)
-    for b, p in enumerate(pages):
-        tables[b, : len(p)] = p
-    t = int(n_new.sum())
-    k_cache = rng.standard_normal([KV_HEADS, 128 * BLOCK, DIM]).astype(np.float32)
-    v_cache = rng.standard_normal([KV_HEADS, 128 * BLOCK, DIM]).astype(np.float32)
-    q, k, v = (rng.standard_normal([t, h, DIM]).astype(np.float32) for h in (HEADS, KV_HEADS, KV_HEADS))
-    attn = Attention(None, HEADS, KV_HEADS, DIM, kv_cache_index=0)
-    batches = []
-    fresh = attn._fresh_prefills_host
-    attn._fresh_prefills_host = lambda *a: batches.append(a[4]) or fresh(*a)
-    got, (kc, vc) = _run(attn, q, k, v, k_cache, v_cache, build_attention_metadata(n_new, cached, tables, BLOCK,
-                                                                                   num_decode=1))
-    assert batches == [3, 1, 2]
+def _step_reference(q, kc, vc, pages, n_new, cached):
+    """float64 causal attention of every token of a step over the cache the step wrote."""
     kc, vc = kc.numpy().astype(np.float64), vc.numpy().astype(np.float64)
     g = HEADS // KV_HEADS
     want = np.zeros(q.shape)
@@ -222,7 +153,70 @@ def test_fresh_prompts_batched_on_host_match_float64(seed):
         rows = (pages[b][:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[: cached[b] + n_new[b]]
         for i in range(n_new[b]):
             for h in range(HEADS):
-                s = kc[h // g, rows[: cached[b] + i + 1]] @ q[starts[b] + i, h] / np.sqrt(DIM)
+                s = kc[h // g, rows[: cached[b] + i + 1]] @ q[starts[b] + i, h].astype(np.float64) / np.sqrt(DIM)
                 w = np.exp(s - s.max())
                 want[starts[b] + i, h] = (w / w.sum()) @ vc[h // g, rows[: cached[b] + i + 1]]
-    assert _rel_err(got, want) < REL_TOL
+    return want
+
+
+def _random_step(rng, n_new, cached, num_blocks, contiguous):
+    pages = _pages(rng, list(np.asarray(n_new) + cached), num_blocks, contiguous)
+    tables = np.zeros([len(pages), max(len(p) for p in pages)], np.int64)
+    for b, p in enumerate(pages):
+        tables[b, : len(p)] = p
+    t = int(np.sum(n_new))
+    k_cache = rng.standard_normal([KV_HEADS, num_blocks * BLOCK, DIM]).astype(np.float32)
+    v_cache = rng.standard_normal([KV_HEADS, num_blocks * BLOCK, DIM]).astype(np.float32)
+    q, k, v = (rng.standard_normal([t, h, DIM]).astype(np.float32) for h in (HEADS, KV_HEADS, KV_HEADS))
+    return pages, tables, q, k, v, k_cache, v_cache
+
+
+@pytest.mark.parametrize("backend, dtype", IMPLS)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("ctx,n", [(0, 1), (0, 17), (0, 257), (40, 1), (255, 130), (16, 300)])
+def test_prefill_chunk_matches_float64(backend, dtype, seed, ctx, n):
+    """A chunk of ``n`` queries after ``ctx`` cached tokens (tiles of 128 rows)."""
+    rng = np.random.default_rng(seed)
+    pages, tables, q, k, v, k_cache, v_cache = _random_step(rng, [n], np.array([ctx]), 40, bool(seed))
+    num_decode = 1 if n == 1 and ctx else 0
+    got, (kc, vc) = _run(_attention(backend, dtype), dtype, q, k, v, k_cache, v_cache,
+                         _meta([n], [ctx], tables, num_decode, dtype))
+    assert _rel_err(got, _step_reference(q, kc, vc, pages, [n], [ctx])) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend, dtype", IMPLS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_output_only_rows_equal_full_step_rows(backend, dtype, seed):
+    """A mixed step (two decodes, a fresh prompt, a chunk after 40 cached tokens, a 1-token chunk):
+    attending for the output rows alone gives those rows of the full step, and caches every k/v."""
+    rng = np.random.default_rng(seed)
+    n_new, cached = np.array([1, 1, 20, 5, 1]), np.array([30, 7, 0, 40, 16])
+    pages, tables, q, k, v, k_cache, v_cache = _random_step(rng, n_new, cached, 64, bool(seed))
+    rows = np.cumsum(n_new) - 1
+    attn = _attention(backend, dtype)
+    full, (kc_full, _) = _run(attn, dtype, q, k, v, k_cache, v_cache, _meta(n_new, cached, tables, 2, dtype))
+    got, (kc, _) = _run(attn, dtype, q, k, v, k_cache, v_cache, _meta(n_new, cached, tables, 2, dtype, rows),
+                        output_only=True)
+    assert got.shape == (len(rows), HEADS, DIM)
+    assert np.abs(got - full[rows]).max() < 1e2 * TOL[dtype]
+    assert np.array_equal(kc.numpy(), kc_full.numpy())
+
+
+@pytest.mark.parametrize("backend, dtype", IMPLS)
+@pytest.mark.parametrize("seed", [3, 4])
+def test_fresh_prompts_and_chunks_match_float64(backend, dtype, seed):
+    """A step of a decode, fresh prompts of 17, 17, 17, 1, 100, 100 and 255 tokens (the host backend batches runs
+    of equal lengths; 255 exceeds one tile) and a chunk after 40 cached tokens, against a float64 formula over
+    the cache the step wrote."""
+    rng = np.random.default_rng(seed)
+    n_new = np.array([1, 17, 17, 17, 1, 100, 100, 255, 5])
+    cached = np.array([30, 0, 0, 0, 0, 0, 0, 0, 40])
+    pages, tables, q, k, v, k_cache, v_cache = _random_step(rng, n_new, cached, 128, bool(seed % 2))
+    attn = _attention(backend, dtype)
+    batches = []
+    if backend == "host":
+        fresh = attn.impl._fresh_prefills
+        attn.impl._fresh_prefills = lambda *a: batches.append(a[3]) or fresh(*a)
+    got, (kc, vc) = _run(attn, dtype, q, k, v, k_cache, v_cache, _meta(n_new, cached, tables, 1, dtype))
+    assert batches == ([3, 1, 2] if backend == "host" else [])
+    assert _rel_err(got, _step_reference(q, kc, vc, pages, n_new, cached)) < TOL[dtype]

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy_ext.config.base import FDConfig, ParallelConfig
+from fastdeploy_ext.config.base import FDConfig, LoadConfig, ParallelConfig
 from fastdeploy_ext.config.minimax_m1 import MiniMaxM1Config
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata, alibi_slopes, lightning_slopes
@@ -69,33 +69,38 @@ def _randomize(layer, seed):
         fan_in = p.shape[-2] if len(p.shape) >= 2 else 1
         scale = 1.0 / np.sqrt(fan_in) if len(p.shape) >= 2 else 0.1
         base = 1.0 if len(p.shape) == 1 else 0.0
-        p.set_value(paddle.to_tensor((base + scale * rng.standard_normal(p.shape)).astype(np.float32)))
+        p.set_value(paddle.to_tensor((base + scale * rng.standard_normal(p.shape)).astype(np.float32)).astype(p.dtype))
 
 
 def _step_meta(pool, lens, num_decode, slots):
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     meta = ForwardMeta(ids_remove_padding=None, position_ids=None, seq_lens_this_time=np.array(lens),
                        seq_lens_encoder=None, seq_lens_decoder=None, cu_seqlens_q=cu, block_tables=None, caches=[],
-                       attn_metadata=None, num_decode=num_decode, state_pool=[pool], slot_ids=np.array(slots, np.int64))
-    return meta, LinearAttentionMetadata.from_forward_meta(meta)
+                       num_decode=num_decode, state_pool=[pool], slot_ids=np.array(slots, np.int64))
+    meta.linear_attn_metadata = LinearAttentionMetadata.from_forward_meta(meta)
+    return meta
+
+
+def _fd_config(cfg, backend="host", dtype="float32"):
+    return FDConfig(model_config=cfg, load_config=LoadConfig(backend=backend, dtype=dtype))
 
 
 def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def _lightning_case(tmp_path, seed, slots):
+def _lightning_case(tmp_path, seed, slots, backend="host", dtype="float32"):
     """A randomised lightning layer, its zeroed state pool of ``slots`` slots, and a float64 reference
     ``reference(x, slot)`` that carries its own per-slot states."""
     cfg = _tiny_cfg(tmp_path)
     layer_id, heads, d, hidden = 4, cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    attn = LinearAttention(FDConfig(model_config=cfg), hidden, heads, d, layer_id, cfg.num_hidden_layers, 0,
+    attn = LinearAttention(_fd_config(cfg, backend, dtype), hidden, heads, d, layer_id, cfg.num_hidden_layers, 0,
                            norm_eps=1e-6, block_size=cfg.block_size, prefix="l")
     _randomize(attn, seed)
     w_qkv, w_gate, w_out = (getattr(attn, n).weight.numpy().astype(np.float64) for n in ("qkv_proj", "output_gate", "out_proj"))
     w_norm = attn.norm.weight.numpy().astype(np.float64)
     lam = np.exp(-lightning_slopes(heads, layer_id, cfg.num_hidden_layers))
-    pool = paddle.zeros([slots, heads, d, d])
+    pool = paddle.zeros([slots, heads, d, d], dtype)
     ref_state = {s: np.zeros((heads, d, d)) for s in range(slots)}
 
     def reference(x, slot):
@@ -112,23 +117,25 @@ def _lightning_case(tmp_path, seed, slots):
     return attn, pool, reference, ref_state, hidden
 
 
-@pytest.mark.parametrize("on_host", [True, False], ids=["host-path", "paddle-ops-path"])
-def test_lightning_layer_matches_float64_recurrence(tmp_path, on_host):
+@pytest.mark.parametrize("backend, dtype, tol", [("host", "float32", REL_TOL), ("device", "float32", REL_TOL),
+                                                 ("device", "float64", 1e-12)])
+def test_lightning_layer_matches_float64_recurrence(tmp_path, backend, dtype, tol):
     """Step 1 prefills three sequences; step 2 mixes two decodes and a carried prefill chunk; state read and
-    written at the sequences' slots only (slot 3 stays untouched). Both forward paths: the CPU host path and,
-    forced on CPU with the reference op, the Paddle-op path a GPU runs around the Triton kernels."""
-    attn, pool, reference, ref_state, hidden = _lightning_case(tmp_path, 7, 4)
-    attn._on_host = on_host
+    written at the sequences' slots only (slot 3 stays untouched). The host backend's NumPy path, and the device
+    backend's Paddle ops around the readable reference (what a GPU runs around the Triton kernels) in float32
+    and float64; the output keeps the input's dtype."""
+    attn, pool, reference, ref_state, hidden = _lightning_case(tmp_path, 7, 4, backend, dtype)
     rng = np.random.default_rng(8)
     for lens, num_decode, slots in (([21, 9, 13], 0, [2, 0, 1]), ([1, 1, 30], 2, [0, 2, 1])):
         x = rng.standard_normal((sum(lens), hidden))
-        meta, lmeta = _step_meta(pool, lens, num_decode, slots)
-        got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
+        out = attn(paddle.to_tensor(x.astype(dtype)), _step_meta(pool, lens, num_decode, slots))
+        assert out.dtype == getattr(paddle, dtype)
+        got = out.numpy()
         starts = np.concatenate([[0], np.cumsum(lens)])
         want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots)])
-        assert rel_err(got, want) <= REL_TOL
+        assert rel_err(got, want) <= tol
         for s in range(3):
-            assert rel_err(pool[s].numpy(), ref_state[s]) <= REL_TOL
+            assert rel_err(pool[s].numpy(), ref_state[s]) <= tol
         assert float(pool[3].abs().max()) == 0.0
 
 
@@ -138,7 +145,7 @@ def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypat
     match the float64 recurrence; row chunks (a width that does not divide the chunk) and two host threads give
     the bits of one thread and whole-array passes, and so does the NumPy decode fallback of the MKL one."""
     from fastdeploy_ext.ops.host import host_threads
-    from fastdeploy_ext.ops.lightning_attn import reference as ref_op
+    from fastdeploy_ext.ops.host import lightning as ref_op
 
     slots = list(range(tokens))[::-1]
     results = []
@@ -151,8 +158,7 @@ def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypat
         outs = []
         for lens, num_decode in (([tokens], 0), ([1] * tokens, tokens)):
             x = rng.standard_normal((sum(lens), hidden))
-            meta, lmeta = _step_meta(pool, lens, num_decode, slots[:len(lens)])
-            got = attn(paddle.to_tensor(x.astype(np.float32)), meta, lmeta).numpy()
+            got = attn(paddle.to_tensor(x.astype(np.float32)), _step_meta(pool, lens, num_decode, slots[:len(lens)])).numpy()
             starts = np.concatenate([[0], np.cumsum(lens)])
             want = np.concatenate([reference(x[starts[b]:starts[b + 1]], s) for b, s in enumerate(slots[:len(lens)])])
             assert rel_err(got, want) <= REL_TOL
@@ -220,12 +226,11 @@ def test_decoder_layer_residual_formula(tmp_path, postnorm):
     heads, d = cfg.num_attention_heads, cfg.head_dim
 
     def run(fn):
-        meta, lmeta = _step_meta(paddle.zeros([1, heads, d, d]), [19], 0, [0])
-        return fn(meta, lmeta)
+        return fn(_step_meta(paddle.zeros([1, heads, d, d]), [19], 0, [0]))
 
-    got = run(lambda m, lm: layer(None, x, m, lm)).numpy()
+    got = run(lambda m: layer(None, x, m)).numpy()
     a, _ = layer.input_layernorm(x)
-    attn = run(lambda m, lm: layer.self_attn(a, m, lm))
+    attn = run(lambda m: layer.self_attn(a, m))
     h = 3.5566 * (a if postnorm else x) + 1.0 * attn
     b, _ = layer.post_attention_layernorm(h)
     want = 1.7 * (b if postnorm else h) + 1.1 * layer.block_sparse_moe(b)

@@ -50,9 +50,17 @@ def test_device_and_dtype_resolution_on_this_cpu_build(tiny_qwen2_dir):
     assert resolve_device("auto") == "cpu"  # no CUDA in this Paddle build
     with pytest.raises(ConfigError, match="no CUDA.*paddlepaddle-gpu"):
         LLM(model=tiny_qwen2_dir, device="gpu")
-    with pytest.raises(ConfigError, match="float32 only"):
+    with pytest.raises(ConfigError, match="float32 and float64 only"):
         LLM(model=tiny_qwen2_dir, dtype="bfloat16")
     with pytest.raises(ConfigError, match="device must be"):
         LLM(model=tiny_qwen2_dir, device="tpu")
+    with pytest.raises(ConfigError, match="backend 'host' runs on the CPU in float32 only"):
+        LLM(model=tiny_qwen2_dir, dtype="float64", backend="host")
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        LLM(model=tiny_qwen2_dir, backend="gpu")
+    from fastdeploy_ext.config.base import resolve_backend
+
+    assert [resolve_backend("auto", d, t) for d, t in (("cpu", "float32"), ("cpu", "float64"), ("gpu", "bfloat16"))] \
+        == ["host", "device", "device"]
     # The GPU rule (unverified here): a bf16 checkpoint computes in bf16 under "auto".
     assert resolve_dtype("auto", "gpu", "bfloat16") == "bfloat16" and resolve_dtype("auto", "cpu", "bfloat16") == "float32"

@@ -6,7 +6,7 @@ parsed by :class:`fastdeploy_ext.config.qwen2.Qwen2Config`; kept raw here).
 
 Encoder keys whose HF class default differs from the 7B value (embed_dim, depth, num_heads, patch_size,
 patch_stride, target_length) are required: silently falling back to the class default would build a different
-model. Frontend keys must equal what :mod:`fastdeploy_ext.layers.audio.frontend` implements.
+model. Frontend keys must equal the values below, which :mod:`fastdeploy_ext.layers.audio.frontend` implements.
 """
 
 from __future__ import annotations
@@ -15,21 +15,29 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from fastdeploy_ext.config.base import ConfigError, divide, get_key
-from fastdeploy_ext.layers.audio import frontend
 
 ARCHITECTURE = "MiDashengLMModel"
 # The first 0804 upload used these names for the same weights under another module tree.
 _LEGACY_ARCHITECTURES = ("DashengQwen25OmniModelInstruct",)
 
+# The log-mel frontend the package computes with (Dasheng's torchaudio MelSpectrogram settings).
+SAMPLE_RATE = 16000
+N_FFT = 512
+WIN_LENGTH = 512
+HOP_LENGTH = 160
+N_MELS = 64
+F_MIN = 0.0
+F_MAX = 8000.0
+
 # Frontend keys and the value the package's frontend computes with.
 _FRONTEND_KEYS = {
-    "sample_rate": frontend.SAMPLE_RATE,
-    "n_fft": frontend.N_FFT,
-    "win_length": frontend.WIN_LENGTH,
-    "hop_length": frontend.HOP_LENGTH,
-    "n_mels": frontend.N_MELS,
-    "f_min": frontend.F_MIN,
-    "f_max": frontend.F_MAX,
+    "sample_rate": SAMPLE_RATE,
+    "n_fft": N_FFT,
+    "win_length": WIN_LENGTH,
+    "hop_length": HOP_LENGTH,
+    "n_mels": N_MELS,
+    "f_min": F_MIN,
+    "f_max": F_MAX,
     "center": True,
 }
 
@@ -67,8 +75,8 @@ class DashengConfig:
     input_channels: int = 1
     layer_norm_eps: float = 1e-6
     batch_norm_eps: float = 1e-5
-    sample_rate: int = frontend.SAMPLE_RATE
-    hop_length: int = frontend.HOP_LENGTH
+    sample_rate: int = SAMPLE_RATE
+    hop_length: int = HOP_LENGTH
 
     @property
     def frames_per_patch(self) -> int:
@@ -104,7 +112,7 @@ class DashengConfig:
             got = get_key(cfg, key, where, default=want, types=types)
             if got != want:
                 raise ConfigError(f"{where}: key '{key}' = {got!r} is not supported (the audio frontend implements {want!r})")
-        n_mels = frontend.N_MELS
+        n_mels = N_MELS
 
         patch_size = _pair(cfg, "patch_size", where)
         patch_stride = _pair(cfg, "patch_stride", where)

@@ -244,7 +244,9 @@ class LLMEngine:
         blocks_per_seq = math.ceil(self.max_model_len / block_size)
         num_kv_blocks = args.num_kv_blocks
         if num_kv_blocks is None:
-            per_block = sum(2 * s.num_kv_heads * s.head_dim * 4 * block_size for s in self.model.kv_cache_spec())
+            # The pages hold the compute dtype (ModelRunner allocates them so).
+            elem = paddle.empty([1], self.fd_config.load_config.dtype).element_size()
+            per_block = sum(2 * s.num_kv_heads * s.head_dim * elem * block_size for s in self.model.kv_cache_spec())
             affordable = DEFAULT_KV_CACHE_BYTES // max(per_block, 1)
             num_kv_blocks = max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, affordable))
         if tp == 1:

@@ -205,7 +205,7 @@ class MiDashengLMModel(ModelForCausalLM):
         padded = np.zeros([len(waves), int(lengths.max())], np.float32)
         for k, w in enumerate(waves):
             padded[k, : w.shape[0]] = w
-        hidden, keep = self.audio_encoder(log_mel_spectrogram(padded, lengths), lengths)
+        hidden, keep = self.audio_encoder(log_mel_spectrogram(padded, lengths, self.audio_encoder.dtype), lengths)
         projected, _ = self.audio_projector(hidden, keep)
         k = 0
         for audio in inputs:

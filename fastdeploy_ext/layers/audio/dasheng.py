@@ -23,11 +23,13 @@ from paddle import nn
 
 from fastdeploy_ext.config.midashenglm import DashengConfig
 from fastdeploy_ext.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, compute_dtype
-from fastdeploy_ext.layers.utils import create_param, default_weight_loader
+from fastdeploy_ext.layers.utils import accum_dtype, create_param, default_weight_loader
 
-# The encoder computes in fp32 whatever the decoder dtype: the frontend's dB values and the pre-norm residual stream
-# lose audible precision in bf16 (ms-swift forces audio_encoder.float() for the same reason).
-ENCODER_DTYPE = "float32"
+
+def encoder_dtype(fd_config) -> str:
+    """The encoder computes in max(float32, decoder dtype): the frontend's dB values and the pre-norm residual
+    stream lose audible precision in bf16 (ms-swift forces audio_encoder.float() for the same reason)."""
+    return accum_dtype(fd_config)
 
 __all__ = [
     "DashengMlp",
@@ -64,10 +66,10 @@ class DashengMlp(nn.Layer):
     def __init__(self, fd_config, prefix: str, config: DashengConfig):
         super().__init__()
         self.fc1 = ColumnParallelLinear(
-            fd_config, f"{prefix}.fc1", config.embed_dim, config.mlp_hidden_dim, with_bias=True, weight_dtype=ENCODER_DTYPE
+            fd_config, f"{prefix}.fc1", config.embed_dim, config.mlp_hidden_dim, with_bias=True, weight_dtype=encoder_dtype(fd_config)
         )
         self.fc2 = RowParallelLinear(
-            fd_config, f"{prefix}.fc2", config.mlp_hidden_dim, config.embed_dim, with_bias=True, weight_dtype=ENCODER_DTYPE
+            fd_config, f"{prefix}.fc2", config.mlp_hidden_dim, config.embed_dim, with_bias=True, weight_dtype=encoder_dtype(fd_config)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -93,12 +95,12 @@ class DashengAttention(nn.Layer):
             kv_num_heads=config.num_heads,
             head_dim=config.head_dim,
             with_bias=config.qkv_bias,
-            weight_dtype=ENCODER_DTYPE,
+            weight_dtype=encoder_dtype(fd_config),
         )
         self.num_heads_per_rank = self.qkv.num_heads_per_rank
         self.q_size = self.qkv.q_size
         self.proj = RowParallelLinear(
-            fd_config, f"{prefix}.proj", config.embed_dim, config.embed_dim, with_bias=True, weight_dtype=ENCODER_DTYPE
+            fd_config, f"{prefix}.proj", config.embed_dim, config.embed_dim, with_bias=True, weight_dtype=encoder_dtype(fd_config)
         )
 
     def forward(self, x: paddle.Tensor, keep: Optional[paddle.Tensor] = None) -> paddle.Tensor:
@@ -128,6 +130,8 @@ class DashengBlock(nn.Layer):
         self.attn = DashengAttention(fd_config, f"{prefix}.attn", config)
         self.norm2 = nn.LayerNorm(config.embed_dim, epsilon=config.layer_norm_eps)
         self.mlp = DashengMlp(fd_config, f"{prefix}.mlp", config)
+        self.norm1.to(dtype=encoder_dtype(fd_config))
+        self.norm2.to(dtype=encoder_dtype(fd_config))
 
     def forward(self, x: paddle.Tensor, keep: Optional[paddle.Tensor] = None) -> paddle.Tensor:
         x = x + self.attn(self.norm1(x), keep)
@@ -137,13 +141,13 @@ class DashengBlock(nn.Layer):
 class DashengMelBatchNorm(nn.Layer):
     """Inference BatchNorm over the mel-bin axis of ``[B, n_mels, T]``, always with the running statistics."""
 
-    def __init__(self, num_features: int, eps: float):
+    def __init__(self, num_features: int, eps: float, dtype: str = "float32"):
         super().__init__()
         self.eps = eps
-        self.weight = create_param(self, [num_features], ENCODER_DTYPE, 1.0)
-        self.bias = create_param(self, [num_features], ENCODER_DTYPE, 0.0)
-        self._mean = create_param(self, [num_features], ENCODER_DTYPE, 0.0)
-        self._variance = create_param(self, [num_features], ENCODER_DTYPE, 1.0)
+        self.weight = create_param(self, [num_features], dtype, 1.0)
+        self.bias = create_param(self, [num_features], dtype, 0.0)
+        self._mean = create_param(self, [num_features], dtype, 0.0)
+        self._variance = create_param(self, [num_features], dtype, 1.0)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         scale = self.weight / paddle.sqrt(self._variance + self.eps)
@@ -153,11 +157,12 @@ class DashengMelBatchNorm(nn.Layer):
 class DashengPatchEmbed(nn.Layer):
     """Conv2D(1 -> D, kernel = stride = (n_mels, 4)): ``[B, n_mels, T] -> [B, T // 4, D]`` (trailing T mod 4 frames dropped)."""
 
-    def __init__(self, config: DashengConfig):
+    def __init__(self, config: DashengConfig, dtype: str = "float32"):
         super().__init__()
         self.proj = nn.Conv2D(
             config.input_channels, config.embed_dim, kernel_size=config.patch_size, stride=config.patch_stride
         )
+        self.proj.to(dtype=dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         x = self.proj(x.unsqueeze(1))
@@ -165,7 +170,7 @@ class DashengPatchEmbed(nn.Layer):
 
 
 class DashengAudioEncoder(nn.Layer):
-    """Dasheng ViT over log-mel patches (MiDashengLM's ``audio_encoder``). Parameters are fp32 (see ENCODER_DTYPE)."""
+    """Dasheng ViT over log-mel patches (MiDashengLM's ``audio_encoder``), in :func:`encoder_dtype`."""
 
     def __init__(self, fd_config, prefix: str = "audio_encoder", config: Optional[DashengConfig] = None):
         super().__init__()
@@ -174,12 +179,14 @@ class DashengAudioEncoder(nn.Layer):
         self.config = config
         self.prefix = prefix
         dim = config.embed_dim
-        self.init_bn = DashengMelBatchNorm(config.n_mels, config.batch_norm_eps)
-        self.patch_embed = DashengPatchEmbed(config)
-        self.time_pos_embed = create_param(self, [1, dim, 1, config.chunk_patches], ENCODER_DTYPE)
-        self.freq_pos_embed = create_param(self, [1, dim, 1, 1], ENCODER_DTYPE)
+        self.dtype = encoder_dtype(fd_config)
+        self.init_bn = DashengMelBatchNorm(config.n_mels, config.batch_norm_eps, self.dtype)
+        self.patch_embed = DashengPatchEmbed(config, self.dtype)
+        self.time_pos_embed = create_param(self, [1, dim, 1, config.chunk_patches], self.dtype)
+        self.freq_pos_embed = create_param(self, [1, dim, 1, 1], self.dtype)
         self.blocks = nn.LayerList([DashengBlock(fd_config, f"{prefix}.blocks.{i}", config) for i in range(config.depth)])
         self.norm = nn.LayerNorm(dim, epsilon=config.layer_norm_eps)
+        self.norm.to(dtype=self.dtype)
         _attach_default_loaders(self, prefix)
 
     def _run_blocks(self, x: paddle.Tensor, keep: Optional[paddle.Tensor]) -> paddle.Tensor:
@@ -198,17 +205,18 @@ class DashengAudioEncoder(nn.Layer):
         """Encode log-mel features.
 
         Args:
-            features: float32 ``[B, n_mels, T]`` from :func:`fastdeploy_ext.layers.audio.frontend.log_mel_spectrogram`.
+            features: ``[B, n_mels, T]`` in the encoder's dtype, from
+                :func:`fastdeploy_ext.layers.audio.frontend.log_mel_spectrogram`.
             num_samples: ``[B]`` true waveform lengths in samples, used for the key-padding mask; ``None`` means no
                 clip is padded and every patch is a key.
 
         Returns:
-            ``(hidden [B, T // 4, D] float32, keep [B, T // 4] bool or None)`` where ``keep`` marks valid keys.
+            ``(hidden [B, T // 4, D], keep [B, T // 4] bool or None)`` where ``keep`` marks valid keys.
         """
         if features.ndim != 3 or features.shape[1] != self.config.n_mels:
             raise ValueError(f"features must have shape [B, {self.config.n_mels}, T], got {list(features.shape)}")
-        if features.dtype != paddle.float32:
-            raise TypeError(f"features must be float32, got {features.dtype}")
+        if features.dtype != getattr(paddle, self.dtype):
+            raise TypeError(f"features must be {self.dtype} (the encoder's dtype), got {features.dtype}")
         batch, num_frames = features.shape[0], features.shape[2]
         num_patches = num_frames // self.config.frames_per_patch
         if num_patches == 0:

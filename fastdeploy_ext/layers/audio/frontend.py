@@ -14,13 +14,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import paddle
 
-SAMPLE_RATE = 16000
-N_FFT = 512
-WIN_LENGTH = 512
-HOP_LENGTH = 160
-N_MELS = 64
-F_MIN = 0.0
-F_MAX = 8000.0
+from fastdeploy_ext.config.midashenglm import F_MAX, F_MIN, HOP_LENGTH, N_FFT, N_MELS, SAMPLE_RATE, WIN_LENGTH
+
 AMIN = 1e-10
 TOP_DB = 120.0
 
@@ -94,11 +89,11 @@ def hann_window() -> np.ndarray:
 _CONSTANTS = {}
 
 
-def _constants(place) -> tuple:
-    key = str(place)
+def _constants(place, dtype: str) -> tuple:
+    key = (str(place), dtype)
     if key not in _CONSTANTS:
-        window = paddle.to_tensor(hann_window().astype(np.float32), place=place)
-        fb = paddle.to_tensor(mel_filterbank().astype(np.float32), place=place)
+        window = paddle.to_tensor(hann_window().astype(dtype), place=place)
+        fb = paddle.to_tensor(mel_filterbank().astype(dtype), place=place)
         _CONSTANTS[key] = (window, fb)
     return _CONSTANTS[key]
 
@@ -159,6 +154,7 @@ def _log_mel_same_length(clips: paddle.Tensor, window: paddle.Tensor, fb: paddle
 def log_mel_spectrogram(
     waveforms: Union[paddle.Tensor, np.ndarray],
     lengths: Optional[Union[Sequence[int], np.ndarray, paddle.Tensor]] = None,
+    dtype: str = "float32",
 ) -> paddle.Tensor:
     """Dasheng log-mel features.
 
@@ -166,9 +162,10 @@ def log_mel_spectrogram(
         waveforms: float32 ``[B, L]`` mono 16 kHz waveforms (zero-padded on the right when clips differ in length),
             a paddle tensor or a numpy array. No normalisation is applied.
         lengths: optional ``[B]`` true sample counts (``1 <= lengths[b] <= L``); ``None`` means every clip spans ``L``.
+        dtype: of the computation and the result, ``"float32"`` or ``"float64"`` (the samples are float32 either way).
 
     Returns:
-        float32 ``[B, 64, T]`` with ``T = 1 + max(lengths) // 160``. Clip ``b`` fills frames ``[0, 1 + lengths[b] // 160)``;
+        ``[B, 64, T]`` in ``dtype`` with ``T = 1 + max(lengths) // 160``. Clip ``b`` fills frames ``[0, 1 + lengths[b] // 160)``;
         the remaining frames hold that clip's dB floor ``max(-100, clip_max - 120)``, which is what a zero-padded tail
         would produce.
     """
@@ -186,7 +183,10 @@ def log_mel_spectrogram(
         bad = np.flatnonzero(~np.isfinite(waveforms.numpy()).all(axis=1))
         raise ValueError(f"waveforms contain NaN or inf samples (clips {bad.tolist()})")
 
-    window, fb = _constants(waveforms.place)
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"dtype must be 'float32' or 'float64', got {dtype!r}")
+    waveforms = waveforms.astype(dtype)
+    window, fb = _constants(waveforms.place, dtype)
     total_frames = num_frames(int(lengths.max()))
     rows = [None] * batch
     for length in np.unique(lengths):

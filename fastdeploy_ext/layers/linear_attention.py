@@ -113,19 +113,14 @@ class LinearAttentionMetadata:
                    np.asarray(forward_meta.cu_seqlens_q, np.int64))
 
 
-def _on_gpu() -> bool:
-    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
-
-
-def select_lightning_ops(block_size: int, kernels: str | None = None):
-    """``(prefill, decode)`` for the device backend, chosen once: the Triton kernels on a GPU Paddle or when
-    ``kernels == "triton"`` (default: ``$FDEXT_LIGHTNING_KERNELS``), the Paddle reference otherwise. Both take
-    the contract's arguments plus the runner's host ``cu_seqlens`` and ``check_slots=False``: the runner checked
-    the slots once per step, so neither waits for the device."""
-    kernels = os.environ.get(KERNELS_ENV, "") if kernels is None else kernels
+def select_lightning_ops(block_size: int, on_gpu: bool, kernels: str = ""):
+    """``(prefill, decode, dtypes they take)`` for the device backend, chosen once at construction: the Triton
+    kernels on a GPU or when ``kernels == "triton"``, the Paddle reference otherwise (or when ``"reference"``).
+    Both take the contract's arguments plus the runner's host ``cu_seqlens`` and ``check_slots=False``: the
+    runner checked the slots once per step, so neither waits for the device."""
     if kernels not in ("", "triton", "reference"):
         raise ValueError(f"{KERNELS_ENV} must be 'triton' or 'reference', got {kernels!r}")
-    if kernels == "triton" or (kernels == "" and _on_gpu()):
+    if kernels == "triton" or (kernels == "" and on_gpu):
         from fastdeploy_ext.ops.lightning_attn import triton_kernels
 
         def prefill_triton(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):
@@ -192,7 +187,9 @@ class LinearAttention(nn.Layer):
             self.register_buffer("slopes", paddle.to_tensor(slopes.astype(np.float32)), persistable=False)
             self.forward = self._forward_host
         else:
-            self._prefill_op, self._decode_op, op_dtypes = select_lightning_ops(block_size)
+            on_gpu = paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+            self._prefill_op, self._decode_op, op_dtypes = select_lightning_ops(block_size, on_gpu,
+                                                                                os.environ.get(KERNELS_ENV, ""))
             dtype = compute_dtype(fd_config)
             self.qkv_dtype = dtype if dtype in op_dtypes else "float32"
             # The kernels take float32 slopes (their math is float32); the reference computes in the pool's dtype.

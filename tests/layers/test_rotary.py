@@ -1,8 +1,12 @@
-"""RoPE's CPU host path (NumPy on the tensor's memory) against a float64 formula, for NeoX and GPT-J
-pairing, full and partial rotary widths, and a strided input (q/k columns of a fused qkv tensor).
+"""RoPE on each backend against a float64 formula, for NeoX and GPT-J pairing, full and partial rotary widths,
+and a strided input (q/k columns of a fused qkv tensor): the host backend (NumPy on the tensor's memory) and the
+device backend's Paddle ops in float32 and float64.
 
-Tolerance: 1e-6 absolute (fp32 cos/sin of the fp32 angles, one multiply-add per channel, |x| < 5).
+Tolerance: 1e-6 absolute in float32 (fp32 cos/sin of the fp32 angles, one multiply-add per channel, |x| < 5);
+1e-13 in float64, where the tables are float64 throughout.
 """
+
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
@@ -11,10 +15,11 @@ import pytest
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 
 
-def _reference(x, pos, rotary_dim, theta, style):
-    # Angles rounded to fp32 as the module (and transformers) computes them; the rest in float64.
-    inv_freq = (1.0 / np.float32(theta) ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)))
-    ang = (pos.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]).astype(np.float64)[:, None, :]
+def _reference(x, pos, rotary_dim, theta, style, angle_dtype=np.float32):
+    # Angles rounded to the tables' dtype as the module (and transformers) computes them; the rest in float64.
+    t = angle_dtype
+    inv_freq = (1.0 / t(theta) ** (np.arange(0, rotary_dim, 2, dtype=t) / t(rotary_dim)))
+    ang = (pos.astype(t)[:, None] * inv_freq.astype(t)[None, :]).astype(np.float64)[:, None, :]
     c, s = np.cos(ang), np.sin(ang)
     x = x.astype(np.float64)
     if style == "neox":
@@ -26,17 +31,22 @@ def _reference(x, pos, rotary_dim, theta, style):
     return np.concatenate([rot, x[..., rotary_dim:]], axis=-1)
 
 
+@pytest.mark.parametrize("backend, dtype, tol", [("host", "float32", 1e-6), ("device", "float32", 1e-6),
+                                                 ("device", "float64", 1e-13)])
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
-def test_host_rope_strided_qk_columns(style, rotary_dim):
+def test_rope_strided_qk_columns(backend, dtype, tol, style, rotary_dim):
     head_dim, heads, kv_heads, theta = 64, 4, 2, 1e6
     rng = np.random.default_rng(rotary_dim)
     pos = np.array([0, 1, 17, 255, 256, 1000])
-    qkv = rng.standard_normal((len(pos), (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
-    rope = get_rope(head_dim, 1024, theta, rotary_dim=rotary_dim, style=style)
+    qkv = rng.standard_normal((len(pos), (heads + 2 * kv_heads) * head_dim)).astype(dtype)
+    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype))
+    rope = get_rope(head_dim, 1024, theta, rotary_dim=rotary_dim, style=style, fd_config=cfg)
     qk = paddle.to_tensor(qkv)[:, : (heads + kv_heads) * head_dim].reshape([-1, heads + kv_heads, head_dim])
-    got = rope.rotate(paddle.to_tensor(pos), qk).numpy()
+    out = rope.rotate(paddle.to_tensor(pos), qk)
+    assert out.dtype == getattr(paddle, dtype)
+    got = out.numpy()
     want = _reference(qkv[:, : (heads + kv_heads) * head_dim].reshape(len(pos), -1, head_dim), pos, rotary_dim,
-                      theta, style)
-    assert np.abs(got - want).max() < 1e-6
-    assert np.array_equal(got[..., rotary_dim:], want[..., rotary_dim:].astype(np.float32))
+                      theta, style, np.dtype(dtype).type)
+    assert np.abs(got - want).max() < tol
+    assert np.array_equal(got[..., rotary_dim:], want[..., rotary_dim:].astype(dtype))

@@ -14,9 +14,10 @@ transformers computes a few things in float32 whatever the model dtype. Read in 
 Not a cast but a refusal: MiniMax's default experts implementation (``torch._grouped_mm``) takes no float64, so
 :func:`load_minimax` selects the eager experts loop (``config._experts_implementation = "eager"``, same math).
 
-(The MiniMax lightning decay buffers ``slope_rate``/``*_decay`` are built from Python floats and ints in the default
-dtype, which ``from_pretrained(dtype=torch.float64)`` sets while building, so they are float64 already;
-:func:`load_minimax` asserts it.)
+- MiniMax lightning decays: ``_init_weights`` fills the ``slope_rate`` / ``*_decay`` buffers from ``get_slope_rate()``
+  computed in the default dtype (float32). :func:`load_minimax` rebuilds them in float64, with MiniMax's own slope
+  factor ``1 - l/(L-1) + 1e-5`` (the package's, the original code's and vLLM's) in place of transformers'
+  ``1 - l/(L-1+1e-5) + 1e-5``, which differs by up to 1e-5 relative and would alone fail a 1e-9 comparison.
 
 :func:`hf_float64` is a context manager that replaces those functions/forwards with versions computing in
 ``max(float32, input dtype)``: for float32 (or bf16) inputs they are the stock code's math, for float64 inputs they
@@ -190,16 +191,41 @@ def load_minimax(path: str, dtype="float64"):
     # The default experts implementation (torch._grouped_mm) takes float32/bf16/fp16 only; the eager one is the
     # per-expert loop in the model file (same math).
     model.config._experts_implementation = "eager"
-    for name, buf in model.named_buffers():
-        if name.endswith(("slope_rate", "query_decay", "key_decay", "diagonal_decay")):
-            assert buf.dtype == td, (name, buf.dtype)
+    if td == torch.float64:
+        _float64_lightning_decays(model, cfg)
     return model
+
+
+def _float64_lightning_decays(model, cfg) -> None:
+    """Rebuild every lightning layer's ``slope_rate`` / ``query_decay`` / ``key_decay`` / ``diagonal_decay`` buffers in
+    float64 (OURS). transformers fills them in ``_init_weights`` from ``get_slope_rate()``, computed in the default
+    dtype (float32) and copied into the float64 buffers: 1.4e-8 relative error. The slope's layer factor is MiniMax's
+    definition, ``1 - l/(L-1) + 1e-5`` (minimax_m1.md §3.2; the original remote code and vLLM), where transformers
+    writes ``1 - l/(L-1+1e-5) + 1e-5`` (a relative difference up to 1e-5, visible only in float64). The decays are then
+    HF's own ``decay_factors`` of those slopes."""
+    import torch
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    n_layers = cfg.num_hidden_layers
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if not isinstance(attn, MiniMaxLightningAttention):
+            continue
+        h = attn.num_attention_heads
+        base = 1 / (2 ** (8 / h))
+        rate = base ** torch.arange(1, h + 1, dtype=torch.float64) * (1 - attn.layer_idx / (n_layers - 1) + 1e-5)
+        slope = rate[:, None, None]
+        with torch.no_grad():
+            for buf, value in zip((attn.slope_rate, attn.query_decay, attn.key_decay, attn.diagonal_decay),
+                                  (slope, *attn.decay_factors(slope))):
+                assert buf.dtype == value.dtype == torch.float64 and buf.shape == value.shape
+                buf.copy_(value)
 
 
 class MiDashengLMFloat64Oracle:
     """The composite MiDashengLM oracle (``align.MiDashengLMOracle``: dasheng encoder + torch projector + HF Qwen2)
-    in float64, with the log-mel frontend taken from librosa in float64 (spec midashenglm.md §10: melspectrogram with
-    reflect padding, HTK mel without norm, ``power_to_db(top_db=120)`` per clip) instead of the package's frontend."""
+    in float64, with the log-mel frontend taken from librosa in float64 (spec midashenglm.md §10: STFT with reflect
+    padding, HTK mel without norm built in float64, ``power_to_db(top_db=120)`` per clip) instead of the package's frontend."""
 
     def __init__(self, model_dir: str):
         from fastdeploy_ext.entrypoints.align import MiDashengLMOracle
@@ -211,13 +237,16 @@ class MiDashengLMFloat64Oracle:
 
     @staticmethod
     def log_mel(wave: np.ndarray) -> np.ndarray:
+        """librosa in float64 throughout: ``librosa.feature.melspectrogram`` would build its filterbank with
+        ``librosa.filters.mel``'s default ``dtype=np.float32``, so the steps are spelled out with ``dtype=np.float64``."""
         import librosa
 
         y = np.asarray(wave, np.float64)
-        s = librosa.feature.melspectrogram(y=y, sr=16000, n_fft=512, hop_length=160, win_length=512, window="hann",
-                                           center=True, pad_mode="reflect", power=2.0, n_mels=64, fmin=0.0,
-                                           fmax=8000.0, htk=True, norm=None)
-        return librosa.power_to_db(s, ref=1.0, amin=1e-10, top_db=120.0)
+        spec = librosa.stft(y, n_fft=512, hop_length=160, win_length=512, window="hann", center=True, pad_mode="reflect")
+        assert spec.dtype == np.complex128
+        fb = librosa.filters.mel(sr=16000, n_fft=512, n_mels=64, fmin=0.0, fmax=8000.0, htk=True, norm=None,
+                                 dtype=np.float64)
+        return librosa.power_to_db(fb @ np.abs(spec) ** 2, ref=1.0, amin=1e-10, top_db=120.0)
 
     def audio_rows(self, wave: np.ndarray):
         import torch
@@ -243,3 +272,26 @@ class MiDashengLMFloat64Oracle:
             if len(audio_positions):
                 embeds[0, torch.as_tensor(audio_positions, dtype=torch.long)] = rows
         return logprobs(self.decoder, inputs_embeds=embeds)
+
+
+def text_oracle(model_dir: str, dtype: str):
+    """``ids -> log-softmax rows [len(ids), V]`` of the checkpoint's HF oracle: in float32 the project's usual one
+    (``align.load_qwen2_oracle`` / ``align.load_minimax_oracle``, fp32 log-softmax), in float64 the patched float64
+    model under :func:`hf_float64`."""
+    from fastdeploy_ext.entrypoints import align
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        arch = json.load(f)["architectures"][0]
+    qwen = arch == "Qwen2ForCausalLM"
+    if dtype == "float32":
+        model = align.load_qwen2_oracle(model_dir) if qwen else align.load_minimax_oracle(model_dir)
+        return lambda ids: align.oracle_logprobs(model, ids)
+    if dtype != "float64":
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    model = load_qwen2(model_dir) if qwen else load_minimax(model_dir)
+
+    def run(ids):
+        with hf_float64():
+            return logprobs(model, ids)
+
+    return run

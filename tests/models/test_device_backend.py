@@ -70,22 +70,6 @@ def model_dirs(tmp_path_factory):
 # ---------------------------------------------------------------- oracles
 
 
-class TextOracle:
-    def __init__(self, model_dir, arch, dtype):
-        self.dtype = dtype
-        qwen = arch == "Qwen2ForCausalLM"
-        if dtype == "float32":
-            self.model = align.load_qwen2_oracle(model_dir) if qwen else align.load_minimax_oracle(model_dir)
-        else:
-            self.model = hf_float64.load_qwen2(model_dir) if qwen else hf_float64.load_minimax(model_dir)
-
-    def __call__(self, ids):
-        if self.dtype == "float32":
-            return hf_logprobs(self.model, ids)
-        with hf_float64.hf_float64():
-            return hf_float64.logprobs(self.model, ids)
-
-
 class AudioOracle:
     """``(ids, audio positions, clips) -> log-softmax rows``: the composite oracle in float32, or its float64 version."""
 
@@ -113,9 +97,8 @@ class AudioOracle:
 def case(request, model_dirs):
     """(key, dtype, engine on the device backend, oracle) shared by every test of one model x dtype."""
     key, dtype = request.param
-    arch = ARCHS[key]
     d = model_dirs[key]
-    oracle = AudioOracle(d, dtype) if key == "midashenglm" else TextOracle(d, arch, dtype)
+    oracle = AudioOracle(d, dtype) if key == "midashenglm" else hf_float64.text_oracle(d, dtype)
     llm = LLM(model=d, backend="device", dtype=dtype, max_model_len=512, max_num_seqs=8, block_size=16)
     assert llm.llm_engine.fd_config.load_config.backend == "device"
     return key, dtype, llm, oracle
@@ -257,7 +240,9 @@ TRITON_SCRIPT = r"""
 import json, sys
 from fastdeploy_ext import LLM, SamplingParams
 from fastdeploy_ext.layers.linear_attention import LinearAttention
-llm = LLM(model=sys.argv[1], backend="device", dtype="float32", max_model_len=128)
+# One sequence of at most 32 tokens: the start-up warm-up prefill is small too (the interpreter is slow).
+llm = LLM(model=sys.argv[1], backend="device", dtype="float32", max_model_len=64, max_num_seqs=1,
+          max_num_batched_tokens=32)
 layers = [l for l in llm.llm_engine.model.sublayers() if isinstance(l, LinearAttention)]
 names = sorted({l._prefill_op.__name__ + "/" + l._decode_op.__name__ for l in layers})
 prompt = json.loads(sys.argv[2])
@@ -283,7 +268,7 @@ def test_triton_kernels_forced_match_hf(model_dirs, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     assert got["ops"] == ["prefill_triton/decode_triton"], got["ops"]
-    oracle = TextOracle(d, ARCHS["m1_original"], "float32")
+    oracle = hf_float64.text_oracle(d, "float32")
     ref = oracle(prompt + got["tokens"])
     worst = 0.0
     for i, entry in enumerate(got["prompt_logprobs"][1:], start=1):

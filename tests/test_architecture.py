@@ -82,19 +82,20 @@ def _mentions_backend(identifier: str) -> str | None:
 
 
 def _condition_findings(test: ast.AST) -> list[str]:
-    found = []
+    """What makes ``test`` a backend branch, one string per reason (empty: none)."""
+    mentions, compares = {}, None
     for node in ast.walk(test):
         ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
-        if ident is not None:
-            token = _mentions_backend(ident)
-            if token is not None:
-                found.append(f"mentions {token!r} ({ident})")
-        if isinstance(node, ast.Compare):
+        token = None if ident is None else _mentions_backend(ident)
+        if token is not None:
+            mentions.setdefault(token, []).append(ident)
+        if compares is None and isinstance(node, ast.Compare):
             for operand in [node.left, *node.comparators]:
                 if any(isinstance(n, ast.Attribute) and n.attr == "dtype" for n in ast.walk(operand)):
-                    found.append(f"compares .dtype ({ast.unparse(node)[:80]})")
+                    compares = f"compares .dtype ({ast.unparse(node)[:80]})"
                     break
-    return found
+    found = [f"mentions {t!r} ({', '.join(sorted(set(ids)))})" for t, ids in mentions.items()]
+    return found + ([compares] if compares else [])
 
 
 def _exempt(name: str) -> bool:

@@ -281,3 +281,83 @@ def test_triton_kernels_forced_match_hf(model_dirs, tmp_path):
             worst = max(worst, abs(v - float(row[int(t)])))
     print(f"\nTriton (interpreter) vs HF float32: max |logprob diff| {worst:.3g}")
     assert worst <= 1e-4
+
+
+# ---------------------------------------------------------------- the lightning kernel dispatch rule
+
+# (capability, q dtype, out dtype, head_dim, block_size, precision, heads, tokens) -> kernel, from the rule's
+# documentation (fastdeploy_ext/ops/lightning_attn/triton_kernels.py _default_prefill_config, gluon_kernels.supports).
+DISPATCH = [
+    ((9, 0), "float32", "float32", 128, 64, "tf32", 64, 32768, "gluon"),
+    ((9, 0), "float32", "float32", 128, 64, "tf32", 64, 256, "gluon"),  # many heads: any length
+    ((9, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 64, 32768, "gluon"),
+    ((9, 0), "bfloat16", "float32", 128, 64, "tf32", 64, 32768, "triton"),  # the bf16 kernel stores bf16 tiles
+    ((9, 0), "float32", "float32", 128, 64, "tf32", 8, 16384, "triton"),  # few heads, short: launch cost
+    ((9, 0), "float32", "float32", 128, 64, "tf32", 8, 32768, "gluon"),  # few heads from 32768 tokens
+    ((9, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 8, 32768, "triton"),  # bf16 few heads stays on Triton
+    ((9, 0), "float32", "float32", 128, 64, "ieee", 64, 32768, "triton"),  # Gluon is TF32-only
+    ((9, 0), "float32", "float32", 64, 64, "tf32", 64, 32768, "triton"),  # measured shapes only: D = 128
+    ((9, 0), "float32", "float32", 128, 128, "tf32", 64, 32768, "triton"),  # ... and 64-token chunks
+    ((8, 0), "float32", "float32", 128, 64, "tf32", 64, 32768, "triton"),  # sm_90 only
+    ((10, 0), "bfloat16", "bfloat16", 128, 64, "tf32", 64, 32768, "triton"),
+    (None, "float32", "float32", 128, 64, "tf32", 64, 32768, "triton"),  # off a GPU (interpreter included)
+]
+
+
+@pytest.mark.parametrize("cap,dtype,out,d,block,precision,heads,tokens,kernel", DISPATCH)
+def test_lightning_prefill_dispatch_rule(cap, dtype, out, d, block, precision, heads, tokens, kernel):
+    pytest.importorskip("triton")
+    from fastdeploy_ext.ops.lightning_attn.triton_kernels import prefill_kernel
+
+    assert prefill_kernel(cap, dtype, out, d, block, precision, heads, tokens) == kernel
+
+
+def test_lightning_capability_comes_from_paddle(monkeypatch):
+    """Paddle callers reach the rule with the device's capability (``paddle.device.cuda.get_device_capability`` of
+    the tensor's GPU); a CPU tensor, or the interpreter, gives None (so never the Gluon kernels)."""
+    import paddle
+
+    from fastdeploy_ext.ops.lightning_attn import launcher
+
+    class FakePlace:
+        def is_gpu_place(self):
+            return True
+
+        def gpu_device_id(self):
+            return 3
+
+    class FakeGpuTensor:
+        place = FakePlace()
+
+    asked = []
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda i: asked.append(i) or (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ops = launcher.PaddleOps()
+    assert ops.capability(FakeGpuTensor()) == (9, 0) and asked == [3]
+    assert ops.capability(paddle.zeros([1])) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ops.capability(FakeGpuTensor()) is None
+
+
+def test_lightning_layer_kernel_choice():
+    """The layer's choice, made once at construction: the Triton kernels on a GPU or when forced, the Paddle
+    reference otherwise; each with the dtypes it takes (the reference: float32 and float64)."""
+    from fastdeploy_ext.layers.linear_attention import select_lightning_ops
+
+    def names(ops):
+        return ops[0].__name__, ops[1].__name__, ops[2]
+
+    assert names(select_lightning_ops(8, on_gpu=False)) == ("prefill", "decode", ("float32", "float64"))
+    assert names(select_lightning_ops(8, on_gpu=False, kernels="reference")) == ("prefill", "decode", ("float32", "float64"))
+    assert names(select_lightning_ops(8, on_gpu=True, kernels="reference"))[2] == ("float32", "float64")
+    if importlib_util_find("triton"):
+        assert names(select_lightning_ops(8, on_gpu=True)) == ("prefill_triton", "decode_triton", ("float32", "bfloat16"))
+        assert names(select_lightning_ops(8, on_gpu=False, kernels="triton"))[:2] == ("prefill_triton", "decode_triton")
+    with pytest.raises(ValueError, match="FDEXT_LIGHTNING_KERNELS"):
+        select_lightning_ops(8, on_gpu=False, kernels="gluon")
+
+
+def importlib_util_find(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

@@ -186,6 +186,34 @@ def test_greedy_and_logprobs_match_oracle(case, length, seed):
         assert worst_prompt <= atol
 
 
+def test_logits_and_reported_logprobs_keep_the_compute_dtype(case):
+    """The model's logits come back in the compute dtype, and the logprobs the engine reports keep that precision:
+    under float64 some of them are not float32 numbers (a float32 log-softmax on the host would round them all)."""
+    key, dtype, llm, _ = case
+    model = llm.llm_engine.model
+    seen = []
+    original = model.compute_logits
+
+    def spy(hidden):
+        out = original(hidden)
+        seen.append(str(out.dtype))
+        return out
+
+    model.compute_logits = spy
+    try:
+        out = llm.generate({"prompt_token_ids": random_ids(12, 8)},
+                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=5), use_tqdm=False)[0]
+    finally:
+        del model.compute_logits
+    assert seen and set(seen) == {f"paddle.{dtype}"}, seen
+    values = [v for entry in out.outputs.logprobs for v in entry.values()]
+    representable = [float(np.float32(v)) == v for v in values]
+    if dtype == "float64":
+        assert not all(representable), f"every reported logprob is a float32 number: {values[:5]}"
+    else:
+        assert all(representable)
+
+
 # ---------------------------------------------------------------- dtype discipline
 
 

@@ -115,6 +115,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     num_blocks = _cdiv(num_pairs, cfg.align_block)
     align_meta = dict(E_PAD=e_pad, BLOCK=cfg.align_block, num_warps=4)
     if num_blocks <= 4:
+        # A decode batch's few pairs take a block of their own size, not align_block lanes.
+        align_meta["BLOCK"] = min(cfg.align_block, max(16, _next_pow2(num_pairs)))
         ops.launch(tk._align_kernel, (1,), [topk_ids, sorted_pairs, offsets, num_pairs, num_experts], **align_meta)
     else:
         hist = ops.empty([num_blocks, e_pad], "int32", x)

@@ -201,8 +201,8 @@ class LinearQuantMethod:
         return self.dequantize_roles({role: getattr(layer, name) for role, name in self.roles.items()}, dtype)
 
     def dequantize_roles(self, t: dict, dtype: str = "float32") -> paddle.Tensor:
-        """``[in, out]`` in ``dtype`` from the parameters of one weight matrix keyed by role (codes, scale, ...).
-        float32 and float64 are exact up to one rounding of each product (float64: none)."""
+        """``[in, out]`` in ``dtype`` from the parameters of one weight matrix keyed by role (codes, scale, ...):
+        each product rounded once in float32, exact in float64."""
         raise NotImplementedError
 
     def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:

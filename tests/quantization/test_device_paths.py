@@ -114,7 +114,7 @@ def test_gpu_codes_are_re_laid_out_once_and_replace_the_package_codes(monkeypatc
     layer = QKVParallelLinear(fd_config(method, gq, "bfloat16", "gpu"), "m.qkv_proj", 128, 4, 2, 32)
     rng = np.random.default_rng(3)
     w = {s: rng.standard_normal((n, 128)).astype(np.float32) for s, n in (("q", 128), ("k", 64), ("v", 64))}
-    for i, s in enumerate("qkv"):
+    for s in "qkv":
         assert len(quantize_calls) == 0, f"converted before shard {s}"
         layer.weight.weight_loader(layer.weight, w[s], s)
     assert len(quantize_calls) == 1

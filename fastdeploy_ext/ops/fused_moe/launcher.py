@@ -187,6 +187,9 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
         raise ValueError(f"up_gate_w and down_w are both int8 or neither, got {_dtype_name(up_gate_w)} and "
                          f"{_dtype_name(down_w)}")
     if int8:
+        if inter % 4 or hidden % 4:
+            raise ValueError(f"int8 experts need hidden ({hidden}) and inter ({inter}) to be multiples of 4 (codes are "
+                             "read 4 at a time)")
         for name, s, width in (("up_gate_scale", up_gate_scale, 2 * inter), ("down_scale", down_scale, hidden)):
             if s is None:
                 raise ValueError(f"int8 experts need {name} (float32 [E, 1, {width}])")

@@ -139,6 +139,22 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _operand(b, DOT_T: tl.constexpr, INT8: tl.constexpr):
+    # int8 codes arrive as int32 words of 4 consecutive columns: an int8 [BK, BN] tile is column-contiguous, and
+    # the MMA wants it K-contiguous, which for bytes meant one shared-memory load per byte. Each byte is
+    # sign-extended and the four interleaved back into columns (little-endian: byte i is column 4j + i).
+    if INT8:
+        c0 = ((b << 24) >> 24).to(DOT_T)
+        c1 = ((b << 16) >> 24).to(DOT_T)
+        c2 = ((b << 8) >> 24).to(DOT_T)
+        c3 = (b >> 24).to(DOT_T)
+        out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [b.shape[0], 4 * b.shape[1]])
+    else:
+        out = b.to(DOT_T)
+    return out
+
+
+@triton.jit
 def _up_gate_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, H, 2I]: gate columns [0, I), up columns [I, 2I)
@@ -181,24 +197,31 @@ def _up_gate_kernel(
     # 64-bit where it can exceed 2**31 (expert base, token rows); offsets inside one expert's matrix are int32
     # (the launcher checks H * 2I < 2**31), which keeps the pointer tiles small.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
+    # B is read in words of LANES columns (int8: 4 codes per int32, see _operand); the launcher checks I % 4 == 0.
+    LANES: tl.constexpr = 4 if INT8 else 1
     w_expert = w_ptr + e.to(tl.int64) * H * 2 * I
-    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I) + cols[None, :]
+    if INT8:
+        w_expert = w_expert.to(tl.pointer_type(tl.int32))
+    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
+    word_ok = words * LANES < I
+    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I // LANES) + words[None, :]
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=col_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I, mask=col_ok[None, :], other=0)
+            bg = tl.load(g_ptrs, mask=word_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I // LANES, mask=word_ok[None, :], other=0)
         else:
             k_ok = (k0 + kk) < k_hi
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I, mask=k_ok[:, None] & col_ok[None, :], other=0)
-        acc_g = tl.dot(a.to(DOT_T), bg.to(DOT_T), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a.to(DOT_T), bu.to(DOT_T), acc_u, input_precision=PRECISION)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I // LANES, mask=k_ok[:, None] & word_ok[None, :], other=0)
+        a = a.to(DOT_T)
+        acc_g = tl.dot(a, _operand(bg, DOT_T, INT8), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, _operand(bu, DOT_T, INT8), acc_u, input_precision=PRECISION)
         x_ptrs += BK
-        g_ptrs += BK * 2 * I
+        g_ptrs += BK * (2 * I // LANES)
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -281,19 +304,25 @@ def _down_kernel(
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * I * H + (k_lo + kk)[:, None] * H + cols[None, :]
+    LANES: tl.constexpr = 4 if INT8 else 1
+    w_expert = w_ptr + e.to(tl.int64) * I * H
+    if INT8:
+        w_expert = w_expert.to(tl.pointer_type(tl.int32))
+    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
+    word_ok = words * LANES < H
+    w_ptrs = w_expert + (k_lo + kk)[:, None] * (H // LANES) + words[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0)
+            b = tl.load(w_ptrs, mask=word_ok[None, :], other=0)
         else:
             k_ok = (k0 + kk) < k_hi
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
-        acc = tl.dot(a.to(DOT_T), b.to(DOT_T), acc, input_precision=PRECISION)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
+        acc = tl.dot(a.to(DOT_T), _operand(b, DOT_T, INT8), acc, input_precision=PRECISION)
         a_ptrs += BK
-        w_ptrs += BK * H
+        w_ptrs += BK * (H // LANES)
     if INT8:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)

@@ -163,9 +163,13 @@ def set_device(args: EngineArgs, local_rank: int = 0) -> str:
     return device
 
 
-def build_model(model_cls, fd_config, load: bool = True):
+def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool | None = None):
     """Construct the model; with ``load`` read this rank's weights, else build it under
-    ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only)."""
+    ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only).
+    ``check_checkpoint`` (default: ``load``) first compares every tensor shape config.json implies with the
+    safetensors headers, so that no parameter is allocated for sizes the checkpoint does not have."""
+    if load if check_checkpoint is None else check_checkpoint:
+        check_checkpoint_shapes(fd_config.load_config.model_path)
     with paddle.no_grad():
         if not load:
             with paddle.LazyGuard():
@@ -179,6 +183,15 @@ def build_model(model_cls, fd_config, load: bool = True):
         logger.info("%s", describe_weight_bytes(model, fd_config.parallel_config.tensor_parallel_rank,
                                                 fd_config.quant_config.method))
         return model
+
+
+def check_checkpoint_shapes(model_dir: str) -> None:
+    from fastdeploy_ext.entrypoints.planner import config_tensor_shapes
+    from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating
+
+    expected = config_tensor_shapes(load_hf_config(model_dir))
+    if expected is not None:
+        check_shapes_before_allocating(model_dir, expected)
 
 
 def _check_skip_entries(model, quant_config) -> None:
@@ -228,7 +241,11 @@ class LLMEngine:
 
         # A driver that starts its own ranks only schedules: its model copy is lazy (specs, the
         # processor, and the divisibility checks run here, before any rank process starts).
-        self.model = build_model(model_cls, self.fd_config, load=tp == 1 or launched > 1)
+        if self.tokenizer.vocab_size > model_config.vocab_size:
+            raise ConfigError(f"the tokenizer ({args.tokenizer or model}) has {self.tokenizer.vocab_size} ids but the "
+                              f"model's vocab_size is {model_config.vocab_size}: ids past it would index outside the "
+                              "embedding")
+        self.model = build_model(model_cls, self.fd_config, load=tp == 1 or launched > 1, check_checkpoint=True)
         if launched > 1 and rank != 0:
             distributed.serve_launched_rank(self.fd_config, self.model)
             raise SystemExit(0)

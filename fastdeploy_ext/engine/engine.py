@@ -30,6 +30,7 @@ from fastdeploy_ext.engine.request import Request
 from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
+from fastdeploy_ext.engine.stop_strings import StopMatcher
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
@@ -61,6 +62,8 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
+    # A tensor-parallel rank whose heartbeat is silent this long fails the engine (naming the rank).
+    rank_heartbeat_timeout_s: float = 30.0
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -479,17 +482,16 @@ class LLMEngine:
             return self._finish(req, "length")
 
     def _check_stop_strings(self, req: Request, checked: int) -> bool:
-        """Cut the text at the first stop string; ``checked`` chars were already searched (a match can
-        still end in the new text, so the search starts a stop string's length before it)."""
+        """Cut the text at the first stop string completed by the text after ``checked`` (the request's
+        matcher has seen everything before it, so the work per token does not grow with the output)."""
         text = req.output_text
-        tail_start = max(0, checked - max(len(s) for s in req.params.stop) + 1)
-        best = None
-        for s in req.params.stop:
-            pos = text.find(s, tail_start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
+        matcher = getattr(req, "stop_matcher", None)
+        if matcher is None or matcher.fed != checked:
+            matcher = req.stop_matcher = StopMatcher(req.params.stop)
+            matcher.feed(text[:checked])
+        found = matcher.feed(text[checked:])
+        if not found:
             return False
-        pos, s = best
+        pos, s = min(found)
         req.output_text = text[: pos + len(s)] if req.params.include_stop_str_in_output else text[:pos]
         return True

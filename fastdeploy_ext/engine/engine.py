@@ -23,6 +23,7 @@ from fastdeploy_ext.config.base import (
     SchedulerConfig,
     load_hf_config,
 )
+from fastdeploy_ext.engine import distributed
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
@@ -169,16 +170,20 @@ def set_device(args: EngineArgs, local_rank: int = 0) -> str:
 def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool | None = None):
     """Construct the model; with ``load`` read this rank's weights, else build it under
     ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only).
-    ``check_checkpoint`` (default: ``load``) first compares every tensor shape config.json implies with the
-    safetensors headers, so that no parameter is allocated for sizes the checkpoint does not have."""
-    if load if check_checkpoint is None else check_checkpoint:
-        check_checkpoint_shapes(fd_config.load_config.model_path)
+    ``check_checkpoint`` (default: ``load``) compares every tensor shape config.json implies with the
+    safetensors headers, before any parameter is allocated for sizes the checkpoint does not have."""
+    check = load if check_checkpoint is None else check_checkpoint
     with paddle.no_grad():
         if not load:
+            # Lazy: no weight memory, so the model's own shape and divisibility errors may come first.
             with paddle.LazyGuard():
                 model = model_cls(fd_config)
             _check_skip_entries(model, fd_config.quant_config)
+            if check:
+                check_checkpoint_shapes(fd_config.load_config.model_path)
             return model
+        if check:
+            check_checkpoint_shapes(fd_config.load_config.model_path)
         model = model_cls(fd_config)
         _check_skip_entries(model, fd_config.quant_config)
         model.eval()
@@ -217,8 +222,6 @@ def _check_skip_entries(model, quant_config) -> None:
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         from fastdeploy_ext.engine.tokenizer import Tokenizer
-
-        from fastdeploy_ext.engine import distributed
 
         args = EngineArgs(model=model, **kwargs)
         self.args = args

@@ -692,7 +692,7 @@ class OpenAIServer:
                     self._templates.close()
 
         app = FastAPI(title="fastdeploy_ext OpenAI-compatible server", lifespan=lifespan)
-        _publish_request_schemas(app)
+        _publish_request_schemas(app, self.model_name)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError):
@@ -781,9 +781,10 @@ def _body_schema(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
-def _publish_request_schemas(app) -> None:
+def _publish_request_schemas(app, model_name: str) -> None:
     """Handlers read the raw body (strict validation, errors as 400s), so FastAPI cannot see the request
-    models; put them into /openapi.json by hand so clients and fuzzers know the bodies."""
+    models; put them into /openapi.json by hand so clients and fuzzers know the bodies (``model`` as the one
+    name this server serves)."""
     base = app.openapi
 
     def openapi():
@@ -793,6 +794,7 @@ def _publish_request_schemas(app) -> None:
             for model in (CompletionRequest, ChatCompletionRequest):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
+                body["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
                 components[model.__name__] = body
             app.openapi_schema = schema
         return app.openapi_schema

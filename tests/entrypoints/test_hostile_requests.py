@@ -8,6 +8,7 @@ import io
 import json
 import os
 import select
+import signal
 import socket
 import struct
 import threading
@@ -349,3 +350,47 @@ def test_nul_byte_in_file_url_is_400(audio_server):
     part = {"type": "audio_url", "audio_url": {"url": f"file://{media}/tone.wav%00.txt"}}
     assert "NUL" in refused(audio_chat(server, part), 400, "messages.0.content.0")
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# ---- a stopped tensor-parallel rank
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{task}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+def test_stopped_rank_is_named_and_health_turns_503(start_server, tiny_qwen2_dir):
+    server = start_server(["--model", tiny_qwen2_dir, "--served-model-name", MODEL, "--max-model-len", "128",
+                           "--tensor-parallel-size", "2", "--rank-heartbeat-timeout-s", "5"])
+    still_serving(server)
+    ranks = {}
+    for pid in descendants(server_pid(server)):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if b"--rank" in argv:
+            ranks[int(argv[argv.index(b"--rank") + 1])] = pid
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        start, status = time.monotonic(), None
+        while time.monotonic() - start < 30:
+            r = httpx.get(server.url + "/health", timeout=10)
+            if r.status_code == 503:
+                status = r.json()["status"]
+                break
+            time.sleep(0.25)
+        assert status is not None and 5 <= time.monotonic() - start
+        assert f"rank 1 (pid {ranks[1]}) sent no heartbeat" in status
+        failed = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                            timeout=30)
+        assert failed.status_code in (500, 503) and "rank 1" in failed.text
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+    finally:
+        os.kill(ranks[1], signal.SIGKILL)

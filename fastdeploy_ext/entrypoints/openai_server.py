@@ -339,6 +339,10 @@ class OpenAIServer:
                            param="model")
 
     def _validate(self, ids: list[int], params, where: str) -> None:
+        if len(ids) >= self.engine.max_model_len:  # before scanning a list that may hold millions of ids
+            raise APIError(400, f"{where} has {len(ids)} tokens; max_model_len is {self.engine.max_model_len} "
+                                "(prompt + at least one generated token)", param="messages" if where == "messages"
+                           else "prompt")
         try:
             self.engine.validate_prompt(ids, params, where=where)
         except ValueError as e:
@@ -548,10 +552,9 @@ class OpenAIServer:
                 raise APIError(400, "'suffix' is not supported", param="suffix")
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "'best_of' must equal 'n' (no server-side ranking)", param="best_of")
-            max_tokens = req.max_tokens if req.max_tokens is not None else 16
             k = req.logprobs
             self._check_stops(req.stop)
-            max_tokens = self._cap_max_tokens(max_tokens, "max_tokens")
+            max_tokens = self._cap_max_tokens(req.max_tokens, "max_tokens", default=16)
             prompts = [(text, ids, None) for text, ids in await asyncio.to_thread(self._completion_prompts, req)]
             where = "prompt"
         else:
@@ -568,7 +571,7 @@ class OpenAIServer:
             where = "messages"
         params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
         for text, ids, _ in prompts:
-            self._validate(ids, params, where)
+            await asyncio.to_thread(self._validate, ids, params, where)
 
         n = params.n
         num_choices = n * len(prompts)
@@ -601,12 +604,14 @@ class OpenAIServer:
             raise APIError(500, f"generation failed: {errors[0]}", "internal_server_error")
         return JSONResponse(self._full_response(rid, kind, k, state))
 
-    def _cap_max_tokens(self, max_tokens: int | None, field: str) -> int | None:
+    def _cap_max_tokens(self, max_tokens: int | None, field: str, default: int | None = None) -> int | None:
+        """``max_tokens`` checked against max_tokens_limit; unset, the request's default (OpenAI's 16 for
+        completions, none for chat) within that limit."""
         cap = self.limits.max_tokens_limit
+        if max_tokens is None:
+            return default if cap is None else min(cap, default or cap)
         if cap is None:
             return max_tokens
-        if max_tokens is None:
-            return cap
         if max_tokens > cap:
             raise APIError(400, f"'{field}' is {max_tokens}; this server allows at most {cap}", param=field)
         return max_tokens

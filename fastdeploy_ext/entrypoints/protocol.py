@@ -134,4 +134,6 @@ def sampling_params_of(req: _SamplingFields, defaults: SamplingParams, max_token
     try:
         return defaults.clone(**changes)
     except ValueError as e:
-        raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+        message = str(e)
+        field = message.split(":", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        raise APIError(400, message.replace("SamplingParams.", ""), param=field) from None

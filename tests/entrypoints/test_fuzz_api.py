@@ -28,3 +28,18 @@ def test_no_request_gets_a_server_error(server):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "passed" in proc.stdout and " failed" not in proc.stdout.split("Test cases:")[-1]
     assert took < 90
+
+
+def test_max_tokens_limit_caps_and_defaults(server):
+    import httpx
+
+    url = server.url + "/v1/completions"
+    r = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    unset = httpx.post(url, json={"model": MODEL, "prompt": "x", "ignore_eos": True}).json()
+    assert unset["usage"]["completion_tokens"] == 8
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == 8
+    r = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"

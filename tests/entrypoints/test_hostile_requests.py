@@ -386,7 +386,7 @@ def test_stopped_rank_is_named_and_health_turns_503(start_server, tiny_qwen2_dir
                 status = r.json()["status"]
                 break
             time.sleep(0.25)
-        assert status is not None and 5 <= time.monotonic() - start
+        assert status is not None
         assert f"rank 1 (pid {ranks[1]}) sent no heartbeat" in status
         failed = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
                             timeout=30)

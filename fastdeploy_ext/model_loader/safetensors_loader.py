@@ -124,10 +124,6 @@ def checkpoint_layout(model_dir: str) -> list[tuple[str, list[tuple[str, tuple, 
     return layout
 
 
-def checkpoint_files(model_dir: str) -> list[str]:
-    return [path for path, _ in checkpoint_layout(model_dir)]
-
-
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
     """Yield ``(name, LazyTensor)`` for every tensor of the checkpoint, file by file."""
     for path, specs in checkpoint_layout(model_dir):

@@ -154,3 +154,14 @@ def test_a_long_step_keeps_the_heartbeat(tmp_path):
         took = time.monotonic() - start
         assert out[0].outputs.finish_reason == "length" and llm.llm_engine.runner.failure is None
     assert took > 2 * 2, f"the step took {took:.1f} s: too short to show anything"
+
+
+def test_distributed_does_not_import_the_engine():
+    """engine.py imports distributed.py, never the other way round (the rank entry point is rank_worker.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastdeploy_ext.engine.distributed, fastdeploy_ext.engine.rank_channel\n"
+            "assert 'fastdeploy_ext.engine.engine' not in sys.modules, sorted(sys.modules)\n")
+    subprocess.run(["timeout", "60", sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))))

@@ -394,3 +394,22 @@ def test_stopped_rank_is_named_and_health_turns_503(start_server, tiny_qwen2_dir
         assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     finally:
         os.kill(ranks[1], signal.SIGKILL)
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    from fastdeploy_ext.config.base import ConfigError
+    from fastdeploy_ext.entrypoints.deploy_config import load_config, resolve_api_key
+
+    monkeypatch.delenv("FASTDEPLOY_EXT_API_KEY", raising=False)
+    assert resolve_api_key(load_config(None, {"model": "m"})) is None
+    monkeypatch.setenv("FASTDEPLOY_EXT_API_KEY", "from-env")
+    assert resolve_api_key(load_config(None, {"model": "m"})) == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key(load_config(None, {"model": "m", "api_key_file": str(key_file)})) == "from-file"
+    assert resolve_api_key(load_config(None, {"model": "m", "api_key": "flag"})) == "flag"
+    with pytest.raises(ConfigError, match="not both"):
+        resolve_api_key(load_config(None, {"model": "m", "api_key": "a", "api_key_file": str(key_file)}))
+    key_file.write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        resolve_api_key(load_config(None, {"model": "m", "api_key_file": str(key_file)}))

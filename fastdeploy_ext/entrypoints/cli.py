@@ -108,7 +108,7 @@ def _cmd_serve(args) -> int:
     import logging
 
     from fastdeploy_ext.engine.engine import LLMEngine
-    from fastdeploy_ext.entrypoints.deploy_config import engine_args
+    from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits
     from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server
     from fastdeploy_ext.entrypoints.planner import plan
 
@@ -120,9 +120,11 @@ def _cmd_serve(args) -> int:
         print(result.table(), file=sys.stderr)
         print(f"error: {cfg.source}: this deployment does not fit: {result.reason}", file=sys.stderr)
         return 2
+    api_key = resolve_api_key(cfg)
     engine = LLMEngine(cfg.model, **engine_args(cfg))
     server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
-                          api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path)
+                          api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,
+                          limits=server_limits(cfg))
     print(f"serving {cfg.model_name!r} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     run_server(server, cfg.host, cfg.port, log_level=args.log_level)
     return 0

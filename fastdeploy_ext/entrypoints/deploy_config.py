@@ -81,8 +81,18 @@ class DeployConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_key_file: str | None = None
     allowed_local_media_path: str | None = None
     max_pending_requests: int = 256
+    trust_request_chat_template: bool = False
+    template_timeout_s: float = 5.0
+    max_audio_seconds: float = 300.0
+    max_request_bytes: int | None = None
+    max_prompt_chars: int | None = None
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024
+    max_tokens_limit: int | None = None
+    rank_heartbeat_timeout_s: float = 30.0
     source: str = "<flags>"
 
     @property
@@ -118,6 +128,10 @@ def _quantization(v):
     return None if v in _QUANT else "must be null, 'wint8' or 'wint4' (or {method: wint4, group_size: N})"
 
 
+def _positive_float(v):
+    return None if v > 0 and v != float("inf") else "must be > 0"
+
+
 _SCHEMA = {
     "model": ((str,), lambda v: None if v else "must be a non-empty path", "checkpoint directory"),
     "model_info": ((str, type(None)), None, "directory with config.json (+ index) used for planning"),
@@ -140,9 +154,24 @@ _SCHEMA = {
     "seed": ((int,), None, "engine seed"),
     "host": ((str,), lambda v: None if v else "must be non-empty", "bind address"),
     "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port"),
-    "api_key": ((str, type(None)), None, "bearer token"),
+    "api_key": ((str, type(None)), None, "bearer token (readable in /proc: prefer --api-key-file or "
+                "$FASTDEPLOY_EXT_API_KEY)"),
+    "api_key_file": ((str, type(None)), None, "file holding the bearer token"),
     "allowed_local_media_path": ((str, type(None)), None, "directory file:// media may come from"),
     "max_pending_requests": ((int,), _positive, "sequences before 429"),
+    "trust_request_chat_template": ((bool,), None, "run chat templates sent by clients (in a killable worker)"),
+    "template_timeout_s": ((float, int), _positive_float, "seconds a client chat template may render"),
+    "max_audio_seconds": ((float, int), _positive_float, "longest audio clip per content part"),
+    "max_request_bytes": ((int, type(None)), lambda v: None if v is None or v >= 1024 else "must be >= 1024",
+                          "largest request body (default: base64 of max_audio_seconds of 48 kHz stereo PCM16)"),
+    "max_prompt_chars": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                         "longest prompt before tokenizing (default: 32 x max_model_len)"),
+    "max_stop_strings": ((int,), _positive, "stop strings per request"),
+    "max_stop_chars": ((int,), _positive, "characters of all stop strings of a request"),
+    "max_tokens_limit": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                         "largest max_tokens a request may ask for (and the default)"),
+    "rank_heartbeat_timeout_s": ((float, int), lambda v: None if v >= 2 else "must be >= 2",
+                                 "seconds a tensor-parallel rank may go silent before the engine fails"),
 }
 FIELDS = tuple(_SCHEMA)
 
@@ -174,7 +203,7 @@ def build_config(values: dict, where: str, base_dir: str | None = None) -> Deplo
     if "model" not in values or values["model"] is None:
         raise ConfigError(f"{where}: field 'model' is required")
     out = {name: _check_field(name, v, where) for name, v in values.items()}
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
         if out.get(key) and base_dir is not None:
             out[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(out[key])))
     if out.get("device_memory") is not None:
@@ -208,7 +237,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(values).__name__}")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
         if key in flags:
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
@@ -224,4 +253,37 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device=cfg.device, backend=cfg.backend)
+                device=cfg.device, backend=cfg.backend,
+                rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s))
+
+
+API_KEY_ENV = "FASTDEPLOY_EXT_API_KEY"
+
+
+def resolve_api_key(cfg: DeployConfig) -> str | None:
+    """``api_key``, else the first line of ``api_key_file``, else ``$FASTDEPLOY_EXT_API_KEY``: a key on the
+    command line is readable by every local user in /proc/<pid>/cmdline."""
+    if cfg.api_key is not None and cfg.api_key_file is not None:
+        raise ConfigError(f"{cfg.source}: give 'api_key' or 'api_key_file', not both")
+    if cfg.api_key is not None:
+        return cfg.api_key
+    if cfg.api_key_file is not None:
+        try:
+            with open(cfg.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"{cfg.source}: field 'api_key_file': cannot read {cfg.api_key_file}: {e}") from None
+        if not key:
+            raise ConfigError(f"{cfg.source}: field 'api_key_file': {cfg.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def server_limits(cfg: DeployConfig):
+    from fastdeploy_ext.entrypoints.limits import ServerLimits
+
+    return ServerLimits(max_audio_seconds=float(cfg.max_audio_seconds), max_request_bytes=cfg.max_request_bytes,
+                        max_prompt_chars=cfg.max_prompt_chars, max_stop_strings=cfg.max_stop_strings,
+                        max_stop_chars=cfg.max_stop_chars, max_tokens_limit=cfg.max_tokens_limit,
+                        trust_request_chat_template=cfg.trust_request_chat_template,
+                        template_timeout_s=float(cfg.template_timeout_s))

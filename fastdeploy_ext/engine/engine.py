@@ -201,7 +201,7 @@ def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool 
 
 
 def check_checkpoint_shapes(model_dir: str) -> None:
-    from fastdeploy_ext.entrypoints.planner import config_tensor_shapes
+    from fastdeploy_ext.model_loader.shapes import config_tensor_shapes
     from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating
 
     expected = config_tensor_shapes(load_hf_config(model_dir))

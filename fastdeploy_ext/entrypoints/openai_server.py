@@ -41,7 +41,7 @@ from fastdeploy_ext.entrypoints.protocol import (
     parse_request,
     sampling_params_of,
 )
-from fastdeploy_ext.entrypoints.template_sandbox import (
+from fastdeploy_ext.engine.template_sandbox import (
     RESERVED_VARIABLES,
     TemplateBusy,
     TemplateLimitError,

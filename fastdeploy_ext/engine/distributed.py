@@ -300,6 +300,9 @@ def serve_launched_rank(fd_config, model) -> None:
 
 
 def _worker_main(argv=None) -> int:
+    from fastdeploy_ext.quiet import silence_paddle, without_flags_banner
+
+    silence_paddle()
     ap = argparse.ArgumentParser(description="fastdeploy_ext tensor-parallel rank (started by the driver)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--driver", required=True, help="host:port of the driver")
@@ -316,7 +319,8 @@ def _worker_main(argv=None) -> int:
 
         args = EngineArgs(**json.loads(a.engine_args))
         set_device(args, local_rank=a.rank)
-        dist.init_parallel_env()
+        with without_flags_banner():
+            dist.init_parallel_env()
         model_cls, fd_config = build_fd_config(args, rank=a.rank)
         model = build_model(model_cls, fd_config)
         conn.send(("ok", None))

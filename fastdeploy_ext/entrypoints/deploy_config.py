@@ -14,6 +14,7 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     max_num_seqs: 16
     host: 127.0.0.1
     port: 8000
+    stats_interval: 10                   # seconds between the server's stats log lines; 0: none
 
 Every error names the file and the field; unknown fields are errors (with a suggestion), not ignored.
 """
@@ -83,6 +84,7 @@ class DeployConfig:
     api_key: str | None = None
     allowed_local_media_path: str | None = None
     max_pending_requests: int = 256
+    stats_interval: float = 10.0
     source: str = "<flags>"
 
     @property
@@ -110,32 +112,57 @@ def _positive(v):
 
 
 _SCHEMA = {
-    "model": ((str,), lambda v: None if v else "must be a non-empty path", "checkpoint directory"),
-    "model_info": ((str, type(None)), None, "directory with config.json (+ index) used for planning"),
-    "tiny_arch": ((str, type(None)), None, "write a tiny random checkpoint of this architecture if `model` is absent"),
-    "served_model_name": ((str, type(None)), None, "name clients pass as `model`"),
-    "device": ((str,), lambda v: None if v in ("cpu", "gpu") else "must be 'cpu' or 'gpu'", "cpu | gpu"),
-    "device_memory": ((str, int, float, type(None)), None, "memory per card, e.g. 80GiB"),
-    "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "fraction"),
-    "tensor_parallel_size": ((int,), _positive, "ranks"),
-    "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}", "dtype"),
+    "model": ((str,), lambda v: None if v else "must be a non-empty path", "Checkpoint directory (config.json, "
+              "safetensors, tokenizer.json); in a YAML file relative to the file."),
+    "model_info": ((str, type(None)), None, "Directory whose config.json (and safetensors index) the planner reads "
+                   "when the weights are elsewhere."),
+    "tiny_arch": ((str, type(None)), None, "Write a tiny random checkpoint of this architecture into `model` when "
+                  "it does not exist yet (the demo configs)."),
+    "served_model_name": ((str, type(None)), None, "Name clients pass as `model`; default: the basename of `model`."),
+    "device": ((str,), lambda v: None if v in ("cpu", "gpu") else "must be 'cpu' or 'gpu'",
+               "Where the model runs; gpu needs a CUDA build of Paddle and device_memory."),
+    "device_memory": ((str, int, float, type(None)), None, "Memory per card for the plan, e.g. 80GiB or 141GB; "
+                      "default on a CPU: this machine's RAM."),
+    "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+                               "Fraction of device_memory the plan may use."),
+    "tensor_parallel_size": ((int,), _positive, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); "
+                             "must divide the heads."),
+    "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}",
+              "Compute dtype: auto is float32 on a CPU and the checkpoint's bf16/fp16 on a GPU; float64 checks on "
+              "a CPU (device backend)."),
     "backend": ((str,), lambda v: None if v in _BACKENDS else f"must be one of {', '.join(_BACKENDS)}",
-                "auto (host for CPU float32, else device) | host (NumPy/MKL, CPU float32) | device (Paddle ops, Triton)"),
+                "auto: host for CPU float32, device otherwise; host: NumPy/MKL, CPU float32; device: Paddle ops "
+                "and Triton kernels (docs/architecture.md \"Backends\")."),
     "quantization": ((str, type(None)), lambda v: None if v in _QUANT else "must be null, 'wint8' or 'wint4'",
-                     "weight-only quantization"),
-    "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2", "tokens"),
-    "max_num_seqs": ((int,), _positive, "sequences"),
-    "max_num_batched_tokens": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1", "tokens"),
-    "enable_chunked_prefill": ((bool,), None, "bool"),
-    "block_size": ((int,), _positive, "tokens per KV page"),
-    "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1", "pages"),
-    "seed": ((int,), None, "engine seed"),
-    "host": ((str,), lambda v: None if v else "must be non-empty", "bind address"),
-    "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port"),
-    "api_key": ((str, type(None)), None, "bearer token"),
-    "allowed_local_media_path": ((str, type(None)), None, "directory file:// media may come from"),
-    "max_pending_requests": ((int,), _positive, "sequences before 429"),
+                     "Weight-only quantization while loading: wint8 or wint4 (both one scale per output "
+                     "channel); default: none."),
+    "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2",
+                      "Longest sequence, prompt plus generated tokens; default: max_position_embeddings, at most "
+                      "32768."),
+    "max_num_seqs": ((int,), _positive, "Most sequences in the running batch."),
+    "max_num_batched_tokens": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                               "Token budget of one engine step; default: 2048 with chunked prefill, else "
+                               "max_model_len."),
+    "enable_chunked_prefill": ((bool,), None, "Split long prompts over several steps so decodes keep running."),
+    "block_size": ((int,), _positive, "Tokens per KV-cache page."),
+    "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                      "KV-cache pages in the pool; default: max_num_seqs sequences of max_model_len, within "
+                      "1 GiB but at least one sequence."),
+    "seed": ((int,), None, "Seed of requests that give none."),
+    "host": ((str,), lambda v: None if v else "must be non-empty", "Address to listen on (loopback unless told "
+             "otherwise)."),
+    "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port to listen on "
+             "(0: any free port); checked before the model loads."),
+    "api_key": ((str, type(None)), None, "Require `Authorization: Bearer KEY` on /v1/*."),
+    "allowed_local_media_path": ((str, type(None)), None, "The only directory file:// audio URLs may point into."),
+    "max_pending_requests": ((int,), _positive, "Unfinished sequences (prompts x n) accepted before new requests "
+                             "get 429."),
+    "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
+                       "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
 }
+# Fields only the server reads: `plan` does not offer them as flags.
+SERVER_FIELDS = ("host", "port", "api_key", "allowed_local_media_path", "max_pending_requests", "stats_interval")
+CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
 FIELDS = tuple(_SCHEMA)
 
 

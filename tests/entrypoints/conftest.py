@@ -28,8 +28,9 @@ class Server:
         # `timeout` bounds the server's life even if pytest itself is killed.
         cmd = ["timeout", "600", sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "serve",
                "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "GLOG_minloglevel": "2"})
+        # The suite's GLOG_minloglevel is not passed on: the server must quiet Paddle itself.
+        env = {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + startup_s
         while True:
             if self.proc.poll() is not None:
@@ -44,9 +45,9 @@ class Server:
                 raise RuntimeError(f"server did not become healthy in {startup_s} s:\n{self.log()}")
             time.sleep(0.2)
 
-    def log(self) -> str:
+    def log(self, tail: int = 5000) -> str:
         with open(self.log_path) as f:
-            return f.read()[-5000:]
+            return f.read()[-tail:]
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples keyed by name plus any label other than model_name."""

@@ -119,3 +119,38 @@ def run_mixed_workload(model_dir, **engine_kwargs):
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, llm.llm_engine.scheduler.stats, llm.llm_engine
+
+
+def check_outputs_against_oracle(outs, oracle_fn, atol, greedy=True):
+    """Engine outputs vs the oracle teacher-forced on each output's own sequence (prompt + generated tokens).
+
+    Every reported logprob (generated and, when present, prompt logprobs) must be within ``atol`` of the oracle's row;
+    with ``greedy`` every generated token must be the oracle's argmax unless the oracle's top-2 gap there is below
+    :data:`NEAR_TIE` (the near-tie rule; the oracle stays conditioned on the engine's own tokens, so comparison goes on).
+    ``oracle_fn(ids)`` -> log-softmax rows ``[len(ids), V]``. Returns (max |logprob diff|, number of near-ties).
+    """
+    worst, ties = 0.0, 0
+    for o in outs:
+        prompt, gen = list(o.prompt_token_ids), list(o.outputs.token_ids)
+        ref = oracle_fn(prompt + gen)
+        base = len(prompt) - 1
+        for i, (tok, lp) in enumerate(zip(gen, o.outputs.logprobs or [])):
+            row = ref[base + i]
+            for t, v in lp.items():
+                d = abs(v - float(row[t]))
+                worst = max(worst, d)
+                assert d <= atol, f"{o.request_id} step {i} token {t}: {v} vs oracle {row[t]} (|diff| {d:.3g} > {atol:g})"
+            if greedy:
+                top2 = np.sort(row)[-2:]
+                if tok != int(np.argmax(row)):
+                    assert top2[1] - top2[0] < NEAR_TIE, (f"{o.request_id} step {i}: greedy token {tok} != oracle "
+                                                           f"{int(np.argmax(row))} (gap {top2[1] - top2[0]:.3g})")
+                    ties += 1
+        for i, entry in enumerate(o.prompt_logprobs or []):
+            if entry is None:
+                continue
+            for t, v in entry.items():
+                d = abs(v - float(ref[i - 1][t]))
+                worst = max(worst, d)
+                assert d <= atol, f"{o.request_id} prompt position {i} token {t}: {v} vs oracle {ref[i - 1][t]}"
+    return worst, ties

@@ -100,7 +100,8 @@ class SchedulerConfig:
 
 @dataclass
 class QuantConfig:
-    """Weight quantization, built by ``fastdeploy_ext.quantization.resolve_quant_config``.
+    """Weight quantization, built by ``fastdeploy_ext.quantization.resolve_quant_config``; layers get their method
+    from ``fastdeploy_ext.quantization.methods`` (plain data here: config imports no other package module).
 
     ``method``: None (full precision), ``"wint8"``/``"wint4"`` (quantized while loading a float checkpoint) or
     ``"gptq"``/``"fp8"`` (pre-quantized checkpoint, from config.json's ``quantization_config``). ``group_size``:
@@ -121,17 +122,6 @@ class QuantConfig:
     packed_modules_mapping: dict = field(default_factory=dict)
     # Whether skip entries come from the user (a typo is an error) or a checkpoint (warned).
     skip_from_checkpoint: bool = False
-
-    def get_quant_method(self, layer):
-        """The layer's quantization method, or None for full precision."""
-        from fastdeploy_ext.quantization.methods import get_quant_method
-
-        return get_quant_method(self, layer)
-
-    def get_moe_quant_method(self, layer):
-        from fastdeploy_ext.quantization.methods import get_moe_quant_method
-
-        return get_moe_quant_method(self, layer)
 
 
 BACKENDS = ("auto", "host", "device")

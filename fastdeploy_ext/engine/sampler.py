@@ -1,8 +1,9 @@
-"""Per-request sampling on fp32 logits (host side, NumPy).
+"""Per-request sampling on the logits rows (host side, NumPy), in max(float32, logits dtype).
 
 Each request owns a ``numpy.random.Generator`` and draws exactly one uniform per sampled token, so a
-seeded request gives the same tokens whatever else is in the batch. Reported logprobs are the fp32
-log-softmax of the raw logits (before penalties and temperature), as vLLM and FastDeploy report them.
+seeded request gives the same tokens whatever else is in the batch. Reported logprobs are the
+log-softmax of the raw logits (before penalties and temperature), as vLLM and FastDeploy report them:
+float32 under float32 and bf16 models, float64 under float64 ones.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import numpy as np
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 
 
+def _accum(logits: np.ndarray) -> np.dtype:
+    return np.promote_types(logits.dtype, np.float32)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float32)
+    x = logits.astype(_accum(logits))
     m = np.max(x, axis=-1, keepdims=True)
     shifted = x - m
     return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
@@ -45,12 +50,12 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list
 def sample_token(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                  generator: np.random.Generator, banned_ids: list[int]) -> int:
     """Pick the next token from one row of raw logits ``[V]``."""
-    x = apply_penalties(logits.astype(np.float32, copy=True), params, prompt_ids, output_ids)
+    x = apply_penalties(logits.astype(_accum(logits), copy=True), params, prompt_ids, output_ids)
     if banned_ids:
         x[np.asarray(banned_ids, dtype=np.int64)] = -np.inf
     if params.greedy:
         return int(np.argmax(x))
-    x = x / np.float32(params.temperature)
+    x = x / x.dtype.type(params.temperature)
     if params.top_k and 0 < params.top_k < x.size:
         kth = np.partition(x, -params.top_k)[-params.top_k]
         x = np.where(x < kth, -np.inf, x)

@@ -9,7 +9,7 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     tensor_parallel_size: 8
     dtype: bfloat16
     backend: auto                        # auto | host | device (docs/architecture.md "Backends")
-    quantization: null                   # null | wint8 | wint4
+    quantization: null                   # null | wint8 | wint4 | {method: wint4, group_size: 64}
     max_model_len: 131072
     max_num_seqs: 16
     host: 127.0.0.1
@@ -71,7 +71,7 @@ class DeployConfig:
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     backend: str = "auto"
-    quantization: str | None = None
+    quantization: str | dict | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -111,6 +111,15 @@ def _positive(v):
     return None if v >= 1 else "must be >= 1"
 
 
+def _quantization(v):
+    """A method name, or a mapping with the method and its int4 ``group_size`` (the form ``LLM`` takes)."""
+    if isinstance(v, dict):
+        if set(v) - {"method", "group_size"} or v.get("method") not in _QUANT[1:]:
+            return "mapping must be {method: wint8|wint4, group_size: int}"
+        return None if isinstance(v.get("group_size", 0), int) else "group_size must be an int"
+    return None if v in _QUANT else "must be null, 'wint8' or 'wint4' (or {method: wint4, group_size: N})"
+
+
 _SCHEMA = {
     "model": ((str,), lambda v: None if v else "must be a non-empty path", "Checkpoint directory (config.json, "
               "safetensors, tokenizer.json); in a YAML file relative to the file."),
@@ -133,9 +142,9 @@ _SCHEMA = {
     "backend": ((str,), lambda v: None if v in _BACKENDS else f"must be one of {', '.join(_BACKENDS)}",
                 "auto: host for CPU float32, device otherwise; host: NumPy/MKL, CPU float32; device: Paddle ops "
                 "and Triton kernels (docs/architecture.md \"Backends\")."),
-    "quantization": ((str, type(None)), lambda v: None if v in _QUANT else "must be null, 'wint8' or 'wint4'",
-                     "Weight-only quantization while loading: wint8 or wint4 (both one scale per output "
-                     "channel); default: none."),
+    "quantization": ((str, dict, type(None)), _quantization, "Weight-only quantization while loading: wint8 or wint4 "
+                     "(both one scale per output channel; in a YAML file also {method: wint4, group_size: N}); "
+                     "default: none."),
     "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2",
                       "Longest sequence, prompt plus generated tokens; default: max_position_embeddings, at most "
                       "32768."),

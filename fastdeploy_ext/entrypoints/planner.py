@@ -1,16 +1,19 @@
 """Per-rank memory plan of a deployment: weights, KV cache, recurrent-state pool, activation peak.
 
 Weights are counted tensor by tensor, each with its tensor-parallel split (specs/minimax_m1.md §8) and
-its on-device dtype (§6: router and MiniMax lm_head fp32; weight-only int8/int4 for linear and expert
-weights, never embeddings, norms, routers, lm_head or the audio encoder). Shapes come from, in order of
-preference: the safetensors headers; the checkpoint index's names with shapes derived from config.json
-(the derivation must reproduce the index's names and ``metadata.total_size`` exactly, or planning
-fails); config.json alone.
+its on-device dtype (§6: router and MiniMax lm_head in max(float32, compute dtype); weight-only int8/int4 for
+linear and expert weights, never embeddings, norms, routers, lm_head or the audio encoder), as the layers hold
+them: float32 scales beside the codes (``fastdeploy_ext/quantization``), except a GPU's linear layers, whose
+codes and scales (in the activation dtype) are what Paddle's ``weight_quantize`` returns for
+``weight_only_linear``. Shapes come from, in order of preference: the safetensors headers; the checkpoint
+index's names with shapes derived from config.json (the derivation must reproduce the index's names and
+``metadata.total_size`` exactly, or planning fails); config.json alone.
 
-KV cache is counted for softmax-attention layers only (10 of MiniMax-M1's 80) and the state pool is fp32,
-``[n_linear_layers, heads/tp, head_dim, head_dim]`` per sequence. The activation peak is an estimate of
-one ``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, fp32 lightning
-intermediates, gathered fp32 logits), not a measurement.
+KV cache is counted for softmax-attention layers only (10 of MiniMax-M1's 80), in the cache dtype (the
+compute dtype, as the engine allocates its pages); the state pool is ``[n_linear_layers, heads/tp, head_dim,
+head_dim]`` per sequence in max(float32, compute dtype). The activation peak is an estimate of one
+``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, lightning intermediates and
+gathered logits in max(float32, compute dtype)), not a measurement.
 """
 
 from __future__ import annotations
@@ -22,24 +25,22 @@ from dataclasses import dataclass, field
 
 from fastdeploy_ext.config.base import ConfigError, divide, read_json
 from fastdeploy_ext.entrypoints.deploy_config import DeployConfig
+from fastdeploy_ext.quantization import check_weight_only_gpu, resolve_quant_config
 
 GiB = 2**30
 MiB = 2**20
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _QUANT_BYTES = {"wint8": 1.0, "wint4": 0.5}
-# Per-output-channel scale of weight-only quantization, stored in the compute dtype.
-_SCALE_BYTES = 2
 
 
 @dataclass
 class Tensor:
-    """One weight on one rank: ``kind`` decides dtype and quantization (linear | embed | lm_head | norm |
-    router | encoder | bias)."""
+    """One weight on one rank (torch layout ``[out, in]``): ``kind`` decides dtype and quantization."""
 
     name: str
     shape: tuple
     split: int | None  # dim split across ranks, None = replicated
-    kind: str
+    kind: str  # linear | expert | embed | lm_head | norm | router | encoder | bias
     kv_heads: int = 0  # k/v projections: number of KV heads (replicated when fewer than ranks)
 
 
@@ -116,8 +117,8 @@ def _minimax_shape(raw: dict) -> ModelShape:
               Tensor(f"{p}.block_sparse_moe.gate.weight", (e, h), None, "router")]
         for x in range(e):
             ep = f"{p}.block_sparse_moe.experts.{x}"
-            t += [Tensor(f"{ep}.w1.weight", (inter, h), 0, "linear"), Tensor(f"{ep}.w3.weight", (inter, h), 0, "linear"),
-                  Tensor(f"{ep}.w2.weight", (h, inter), 1, "linear")]
+            t += [Tensor(f"{ep}.w1.weight", (inter, h), 0, "expert"), Tensor(f"{ep}.w3.weight", (inter, h), 0, "expert"),
+                  Tensor(f"{ep}.w2.weight", (h, inter), 1, "expert")]
         if kind == LINEAR:
             # qkv rows are head-major ([q;k;v] per head), so a contiguous row split gives whole heads.
             t += [Tensor(f"{p}.self_attn.qkv_proj.weight", (3 * hd, h), 0, "linear"),
@@ -290,7 +291,7 @@ class Plan:
             f"{_fmt(self.kv_bytes_per_token)}/token/rank",
         ]
         if s.num_linear_layers:
-            lines.append(f"state pool     {s.num_linear_layers} linear-attention layers, fp32: "
+            lines.append(f"state pool     {s.num_linear_layers} linear-attention layers, {_state_dtype(c)}: "
                          f"{_fmt(self.state_bytes_per_seq)}/sequence/rank; {c.max_num_seqs} slots = {_fmt(self.state_pool)}")
         lines += [
             f"activation     ~{_fmt(self.activation)} peak (estimate, one step of "
@@ -321,9 +322,45 @@ def _fmt(n: float) -> str:
 
 
 def _compute_dtype(cfg: DeployConfig) -> str:
-    if cfg.device == "cpu":
-        return "float32"  # Paddle on CPU computes in float32 whatever the checkpoint holds
-    return "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+    """The engine's rule (float32/float64 on CPU), with a bf16 checkpoint assumed for ``auto`` on a GPU."""
+    from fastdeploy_ext.engine.engine import resolve_dtype
+
+    try:
+        return resolve_dtype(cfg.dtype, cfg.device, "bfloat16")
+    except ConfigError as e:
+        raise ConfigError(f"{cfg.source}: field 'dtype': {e}") from None
+
+
+def _state_dtype(cfg: DeployConfig) -> str:
+    return "float64" if _compute_dtype(cfg) == "float64" else "float32"
+
+
+def _quantized_bytes(t: Tensor, numel: int, tp: int, quant, kernel_layout: bool, act_bytes: int) -> int:
+    """Codes and scales of one quantized weight on one rank. The package's layout keeps float32 scales, one per
+    output channel (wint8) or per output channel and group of input channels (wint4); ``kernel_layout`` (a GPU's
+    linear layers) counts ``weight_quantize``'s scales, in the activation dtype, over the same groups."""
+    in_local = t.shape[1] // tp if t.split == 1 and tp > 1 else t.shape[1]
+    out_local = numel // in_local
+    groups = 1 if quant.method == "wint8" else -(-in_local // quant.group_size)
+    return int(numel * _QUANT_BYTES[quant.method]) + groups * out_local * (act_bytes if kernel_layout else 4)
+
+
+def _check_quantization(cfg: DeployConfig, shape: ModelShape, quant, dtype: str, tp: int) -> None:
+    """The errors loading would raise, named by module: a wint4 group that does not divide a layer's per-rank
+    input width, and on a GPU a linear layer outside Paddle's weight-only kernel contract."""
+    for t in shape.tensors:
+        if t.kind not in ("linear", "expert"):
+            continue
+        module = t.name.removesuffix(".weight")
+        in_local = t.shape[1] // tp if t.split == 1 else t.shape[1]
+        if quant.method == "wint4" and in_local % quant.group_size:
+            raise ConfigError(f"{cfg.source}: field 'quantization': '{module}': wint4 needs the per-rank input width "
+                              f"{in_local} to be a multiple of group_size {quant.group_size}")
+        if cfg.device == "gpu" and t.kind == "linear":
+            try:
+                check_weight_only_gpu(module, quant.method, dtype, -1 if quant.method == "wint8" else quant.group_size)
+            except ConfigError as e:
+                raise ConfigError(f"{cfg.source}: field 'quantization': {e}") from None
 
 
 def _batched_tokens(cfg: DeployConfig, max_model_len: int | None = None) -> int:
@@ -345,36 +382,40 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
     divide(shape.vocab_size, tp, f"{where}: vocab_size")
 
     dtype = _compute_dtype(cfg)
-    act_bytes = _DTYPE_BYTES[dtype]
-    quant = cfg.quantization
-    if quant is not None and cfg.device == "cpu":
-        raise ConfigError(f"{cfg.source}: quantization {quant!r} needs device 'gpu' (weight-only kernels)")
+    act_bytes, accum_bytes = _DTYPE_BYTES[dtype], _DTYPE_BYTES[_state_dtype(cfg)]
+    quant = None
+    if cfg.quantization is not None:
+        try:
+            quant = resolve_quant_config(cfg.quantization, {}, where=cfg.source)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg.source}: field 'quantization': {e}") from None
+        _check_quantization(cfg, shape, quant, dtype, tp)
     breakdown = {"quantized linear": 0, "linear": 0, "embed+lm_head": 0, "router (fp32)": 0, "norms+biases": 0,
                  "audio encoder": 0}
     for t in shape.tensors:
         n = _local_numel(t, tp)
-        if t.kind == "linear" and quant is not None:
-            rows = n // t.shape[1] if t.split == 0 or t.split is None else t.shape[0]
-            breakdown["quantized linear"] += int(n * _QUANT_BYTES[quant]) + rows * _SCALE_BYTES
-        elif t.kind == "linear":
+        if t.kind in ("linear", "expert") and quant is not None:
+            kernel_layout = cfg.device == "gpu" and t.kind == "linear"
+            breakdown["quantized linear"] += _quantized_bytes(t, n, tp, quant, kernel_layout, act_bytes)
+        elif t.kind in ("linear", "expert"):
             breakdown["linear"] += n * act_bytes
         elif t.kind == "embed":
             breakdown["embed+lm_head"] += n * act_bytes
         elif t.kind == "lm_head":
-            breakdown["embed+lm_head"] += n * (4 if shape.lm_head_fp32 else act_bytes)
+            breakdown["embed+lm_head"] += n * (accum_bytes if shape.lm_head_fp32 else act_bytes)
         elif t.kind == "router":
-            breakdown["router (fp32)"] += n * 4
+            breakdown["router (fp32)"] += n * accum_bytes
         elif t.kind == "encoder":
             breakdown["audio encoder"] += n * act_bytes
         else:
             breakdown["norms+biases"] += n * act_bytes
     weights = sum(breakdown.values())
 
-    kv_dtype_bytes = act_bytes
+    kv_dtype_bytes = act_bytes  # the pages hold the compute dtype
     kv_tp1 = shape.num_full_layers * 2 * shape.num_kv_heads * shape.head_dim * kv_dtype_bytes
     kv_heads_local = max(shape.num_kv_heads // tp, 1)
     kv_per_token = shape.num_full_layers * 2 * kv_heads_local * shape.head_dim * kv_dtype_bytes
-    state_per_seq = shape.num_linear_layers * (shape.linear_heads // tp) * shape.linear_head_dim ** 2 * 4
+    state_per_seq = shape.num_linear_layers * (shape.linear_heads // tp) * shape.linear_head_dim ** 2 * accum_bytes
     state_pool = state_per_seq * cfg.max_num_seqs
 
     max_model_len = cfg.max_model_len or min(shape.max_position_embeddings, 32768)
@@ -386,8 +427,8 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
     widest = max([w(tp) for w in shape.widest_local] or [0])
     fp32 = sum(w(tp) for w in shape.fp32_local)
     logits_rows = min(cfg.max_num_seqs, tokens)
-    activation = tokens * (2 * shape.hidden_size + widest) * act_bytes + tokens * fp32 * 4 \
-        + logits_rows * shape.vocab_size * 4
+    activation = tokens * (2 * shape.hidden_size + widest) * act_bytes + tokens * fp32 * accum_bytes \
+        + logits_rows * shape.vocab_size * accum_bytes
 
     budget = int(cfg.memory_per_device * cfg.gpu_memory_utilization)
     block_bytes = kv_per_token * cfg.block_size

@@ -22,15 +22,16 @@ from fastdeploy_ext.layers.utils import (
     mark_loaded,
     shape_of,
 )
+from fastdeploy_ext.quantization.methods import get_quant_method
 
 
 class LinearBase(nn.Layer):
     """``y = x @ W (+ b)`` with ``W`` of shape ``[input_size_per_partition, output_size_per_partition]``.
 
-    With a quantization method (``fd_config.quant_config.get_quant_method(self)``) the method creates the weight
-    parameters and computes ``x @ W``; the loaders below still do the tensor-parallel slicing, on a source that
-    yields quantized blocks. ``skip_quant`` (or a pinned ``weight_dtype``, e.g. the fp32 MoE router) keeps the
-    layer in full precision.
+    With a quantization method (:func:`fastdeploy_ext.quantization.methods.get_quant_method`) the method creates
+    the weight parameters and computes ``x @ W``; the loaders below still do the tensor-parallel slicing, on a
+    source that yields quantized blocks. ``skip_quant`` (or a pinned ``weight_dtype``, e.g. the fp32 MoE router)
+    keeps the layer in full precision.
     """
 
     def __init__(self, fd_config, prefix: str, input_size: int, output_size: int, with_bias: bool = False,
@@ -47,8 +48,7 @@ class LinearBase(nn.Layer):
         self.input_size_per_partition = input_size
         self.output_size_per_partition = output_size
         self.skip_quant = skip_quant or weight_dtype is not None
-        quant_config = getattr(fd_config, "quant_config", None)
-        self.quant_method = None if quant_config is None else quant_config.get_quant_method(self)
+        self.quant_method = get_quant_method(getattr(fd_config, "quant_config", None), self)
 
     def _create_params(self, expected_shards=None):
         if self.quant_method is not None:

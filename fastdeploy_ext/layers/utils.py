@@ -39,9 +39,7 @@ def create_param(layer: paddle.nn.Layer, shape, dtype="float32", value: float | 
 def as_float32(w) -> np.ndarray:
     """Materialise a checkpoint tensor (numpy array, lazy safetensors slice, paddle tensor) as fp32."""
     if isinstance(w, paddle.Tensor):
-        if w.dtype != paddle.float32:
-            w = w.astype("float32")
-        return w.numpy()
+        return w.astype("float32").numpy()  # bf16's .numpy() would be raw uint16 bits
     if hasattr(w, "materialize"):
         return w.materialize()
     return np.asarray(w, dtype=np.float32)

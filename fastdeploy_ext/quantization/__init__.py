@@ -4,10 +4,12 @@ checkpoints. See docs/quantization.md."""
 from fastdeploy_ext.quantization.config import resolve_quant_config
 from fastdeploy_ext.quantization.memory import describe_weight_bytes, model_weight_bytes
 from fastdeploy_ext.quantization.methods import (
-           CHECKPOINT_METHODS,
-           ONLINE_METHODS,
-           get_quant_method,
+    CHECKPOINT_METHODS,
+    ONLINE_METHODS,
+    check_weight_only_gpu,
+    get_moe_quant_method,
+    get_quant_method,
 )
 
-__all__ = ["CHECKPOINT_METHODS", "ONLINE_METHODS", "describe_weight_bytes", "get_quant_method", "model_weight_bytes",
-           "resolve_quant_config"]
+__all__ = ["CHECKPOINT_METHODS", "ONLINE_METHODS", "check_weight_only_gpu", "describe_weight_bytes",
+           "get_moe_quant_method", "get_quant_method", "model_weight_bytes", "resolve_quant_config"]

@@ -18,9 +18,11 @@ method                  parameters (names match the checkpoint)           dequan
 
 ``FusedMoE`` experts (:class:`MoEQuantMethod`, any method) hold the same parameters with a leading expert dim.
 
-CPU: the layer's weight is dequantized to float32 inside the matmul (one layer at a time, never the model).
-GPU (``wint8``/``wint4`` only): Paddle's ``weight_quantize``/``weight_only_linear`` kernels; written to the
-documented API and not run on any machine here (docs/quantization.md).
+CPU, and GPTQ/FP8 on a GPU: the layer's weight is dequantized (in max(float32, compute dtype), then cast to the
+compute dtype) inside the matmul, one layer at a time, never the model. ``wint8``/``wint4`` linears on a GPU:
+Paddle's ``weight_only_linear`` on codes that ``weight_quantize`` re-laid out once the layer was loaded (they
+replace the parameters above: one copy is held); written to Paddle 3.3.1's documented API and not run on any
+machine here (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ import paddle
 from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
+    accum_dtype,
     assign,
+    compute_dtype,
     create_param,
+    is_fully_loaded,
     mark_loaded,
 )
 from fastdeploy_ext.quantization.numerics import (
@@ -50,6 +55,10 @@ from fastdeploy_ext.quantization.sources import (
 
 ONLINE_METHODS = ("wint8", "wint4")
 CHECKPOINT_METHODS = ("gptq", "fp8")
+# Paddle 3.3.1's paddle.nn.quant.weight_only_linear / weight_quantize: bf16/fp16 activations, group_size -1 (one
+# scale per output channel), 64 or 128.
+WEIGHT_ONLY_GPU_DTYPES = ("bfloat16", "float16")
+WEIGHT_ONLY_GPU_GROUP_SIZES = (-1, 64, 128)
 
 
 def _under(prefix: str, entry: str) -> bool:
@@ -113,9 +122,12 @@ def get_moe_quant_method(quant_config, layer):
     return MoEQuantMethod(quant_config)
 
 
-def _gpu_kernels_available() -> bool:
-    """Whether Paddle's weight-only GPU kernels are usable here (a CUDA build running on a GPU)."""
-    return paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+def check_weight_only_gpu(prefix: str, method: str, dtype: str, group_size: int) -> None:
+    """Raise unless a ``wint8``/``wint4`` layer fits the GPU kernel's contract (``group_size`` -1 for wint8)."""
+    if dtype not in WEIGHT_ONLY_GPU_DTYPES or group_size not in WEIGHT_ONLY_GPU_GROUP_SIZES:
+        raise ConfigError(f"'{prefix}': {method} on a GPU runs Paddle's weight_only_linear, which supports "
+                          f"{' and '.join(WEIGHT_ONLY_GPU_DTYPES)} activations with group_size -1 (per channel), 64 "
+                          f"or 128; got dtype {dtype}, group_size {group_size}")
 
 
 class LinearQuantMethod:
@@ -140,6 +152,7 @@ class LinearQuantMethod:
         if not self.components:
             codes.weight_loader = lambda param, w, shard_id=None: layer.weight_loader(param, self.source(w, layer), shard_id)
         layer._quant_pending = {}
+        self.compute, self.accum = compute_dtype(layer.fd_config), accum_dtype(layer.fd_config)
 
     def param_specs(self, layer) -> dict:
         raise NotImplementedError
@@ -183,21 +196,60 @@ class LinearQuantMethod:
     def pack(self, codes_t: np.ndarray) -> np.ndarray:
         return codes_t
 
-    def dequantize(self, layer) -> paddle.Tensor:
-        """The layer's float32 weight ``[in, out_local]`` as the quantized parameters define it."""
-        return self.dequantize_roles({role: getattr(layer, name) for role, name in self.roles.items()})
+    def dequantize(self, layer, dtype: str = "float32") -> paddle.Tensor:
+        """The layer's weight ``[in, out_local]`` as the quantized parameters define it, computed in ``dtype``."""
+        return self.dequantize_roles({role: getattr(layer, name) for role, name in self.roles.items()}, dtype)
 
-    def dequantize_roles(self, t: dict) -> paddle.Tensor:
-        """Float32 ``[in, out]`` from the parameters of one weight matrix keyed by role (codes, scale, ...)."""
+    def dequantize_roles(self, t: dict, dtype: str = "float32") -> paddle.Tensor:
+        """``[in, out]`` in ``dtype`` from the parameters of one weight matrix keyed by role (codes, scale, ...):
+        each product rounded once in float32, exact in float64."""
         raise NotImplementedError
 
     def apply(self, layer, x: paddle.Tensor) -> paddle.Tensor:
-        """``x @ W`` (no bias, no reduction: the layer adds them)."""
-        return paddle.matmul(x, self.dequantize(layer).astype(x.dtype))
+        """``x @ W`` (no bias, no reduction: the layer adds them), ``W`` dequantized in max(float32, compute
+        dtype) and cast to the compute dtype."""
+        return paddle.matmul(x, self.dequantize(layer, self.accum).astype(self.compute))
 
 
-class WeightOnlyInt8Method(LinearQuantMethod):
+class _WeightOnlyMethod(LinearQuantMethod):
+    """wint8/wint4. On a GPU (``fd_config.load_config.device``) the layer must fit Paddle's weight-only kernel
+    (:func:`check_weight_only_gpu`, at construction); once its last shard is placed, ``weight_quantize`` re-lays
+    the exact dequantized weight out for ``weight_only_linear`` and its codes and scales replace the package's
+    (Paddle computes its own per-rank scales, so GPU results are not bit-comparable to the CPU path)."""
+
     roles = {"codes": "weight", "scale": "weight_scale"}
+    kind = ""
+    kernel_group_size = -1
+
+    def create_weights(self, layer, expected_shards) -> None:
+        super().create_weights(layer, expected_shards)
+        fd_config = layer.fd_config
+        self.on_gpu = fd_config is not None and fd_config.load_config.device == "gpu"
+        if self.on_gpu:
+            check_weight_only_gpu(layer.prefix, self.quant_config.method, self.compute, self.kernel_group_size)
+            # Chosen once: the layer's matmul is the kernel from here on.
+            self.apply = self._weight_only_linear
+
+    def place_rows(self, layer, block: QuantBlock, out_offset: int, shard_id) -> None:
+        super().place_rows(layer, block, out_offset, shard_id)
+        params = [getattr(layer, name) for name in self.roles.values()]
+        # Lazy parameters (paddle.LazyGuard: shape-only planning) hold nothing to convert.
+        if self.on_gpu and params[0]._is_initialized() and all(is_fully_loaded(p) for p in params):
+            self._to_kernel_layout(layer)
+
+    def _to_kernel_layout(self, layer) -> None:
+        w = self.dequantize(layer).astype(self.compute)
+        qweight, scale = paddle.nn.quant.weight_quantize(w, algo=f"weight_only_{self.kind}",
+                                                         group_size=self.kernel_group_size)
+        _replace_param(layer, self.roles["codes"], qweight)
+        _replace_param(layer, self.roles["scale"], scale)
+
+    def _weight_only_linear(self, layer, x):
+        return paddle.nn.quant.weight_only_linear(x, layer.weight, weight_scale=layer.weight_scale,
+                                                  weight_dtype=self.kind, group_size=self.kernel_group_size)
+
+
+class WeightOnlyInt8Method(_WeightOnlyMethod):
     kind = "int8"
 
     def source(self, w, layer):
@@ -207,22 +259,16 @@ class WeightOnlyInt8Method(LinearQuantMethod):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
         return {"codes": ("weight", [i, o], "int8"), "scale": ("weight_scale", [1, o], "float32")}
 
-    def dequantize_roles(self, t):
-        return t["codes"].astype("float32") * t["scale"]
-
-    def apply(self, layer, x):
-        if _gpu_kernels_available():
-            return _gpu_weight_only(self, layer, x, "int8", -1)
-        return super().apply(layer, x)
+    def dequantize_roles(self, t, dtype="float32"):
+        return t["codes"].astype(dtype) * t["scale"].astype(dtype)
 
 
-class WeightOnlyInt4Method(LinearQuantMethod):
-    roles = {"codes": "weight", "scale": "weight_scale"}
+class WeightOnlyInt4Method(_WeightOnlyMethod):
     kind = "int4"
 
     def __init__(self, quant_config):
         super().__init__(quant_config)
-        self.group_size = quant_config.group_size
+        self.group_size = self.kernel_group_size = quant_config.group_size
 
     def source(self, w, layer):
         return OnlineInt4Source(w, self.group_size, layer.prefix)
@@ -239,17 +285,12 @@ class WeightOnlyInt4Method(LinearQuantMethod):
     def pack(self, codes_t):
         return pack_nibbles(codes_t)
 
-    def dequantize_roles(self, t):
+    def dequantize_roles(self, t, dtype="float32"):
         nib = unpack_nibbles_paddle(t["codes"])
         i, o = nib.shape
         g = i if self.group_size == -1 else self.group_size
-        w = (nib.astype("float32") - float(INT4_ZERO)).reshape([i // g, g, o]) * t["scale"].unsqueeze(1)
+        w = (nib.astype(dtype) - float(INT4_ZERO)).reshape([i // g, g, o]) * t["scale"].astype(dtype).unsqueeze(1)
         return w.reshape([i, o])
-
-    def apply(self, layer, x):
-        if _gpu_kernels_available():
-            return _gpu_weight_only(self, layer, x, "int4", self.group_size)
-        return super().apply(layer, x)
 
 
 class GPTQMethod(LinearQuantMethod):
@@ -296,10 +337,10 @@ class GPTQMethod(LinearQuantMethod):
     def pack(self, codes_t):
         return pack_nibbles(codes_t)
 
-    def dequantize_roles(self, t):
-        nib = unpack_nibbles_paddle(t["codes"]).astype("float32")
+    def dequantize_roles(self, t, dtype="float32"):
+        nib = unpack_nibbles_paddle(t["codes"]).astype(dtype)
         g_idx = t["g_idx"].astype("int64")
-        return (nib - paddle.gather(t["zero"], g_idx)) * paddle.gather(t["scale"], g_idx)
+        return (nib - paddle.gather(t["zero"].astype(dtype), g_idx)) * paddle.gather(t["scale"].astype(dtype), g_idx)
 
 
 class BlockFP8Method(LinearQuantMethod):
@@ -318,12 +359,12 @@ class BlockFP8Method(LinearQuantMethod):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
         return {"codes": ("weight", [i, o], "uint8"), "scale": ("weight_scale_inv", [-(-i // self.block[1]), o], "float32")}
 
-    def dequantize_roles(self, t):
+    def dequantize_roles(self, t, dtype="float32"):
         if self._table is None:
             self._table = paddle.to_tensor(fp8_e4m3fn_table())
         i, o = t["codes"].shape
-        values = paddle.gather(self._table, t["codes"].astype("int64").reshape([-1])).reshape([i, o])
-        scale = paddle.repeat_interleave(t["scale"], self.block[1], axis=0)[:i]
+        values = paddle.gather(self._table, t["codes"].astype("int64").reshape([-1])).reshape([i, o]).astype(dtype)
+        scale = paddle.repeat_interleave(t["scale"].astype(dtype), self.block[1], axis=0)[:i]
         return values * scale
 
 
@@ -414,10 +455,17 @@ class MoEQuantMethod:
         if not self.components:
             mark_loaded(params["scale"], f"{expert_id}.{shard_id}")
 
-    def expert_weight(self, layer, name: str, expert_id: int) -> paddle.Tensor:
-        """Expert ``expert_id``'s float32 ``[in, out]`` weight of stacked parameter ``name``."""
-        return self.linear.dequantize_roles({role: getattr(layer, _moe_param_name(name, role))[expert_id]
-                                             for role in self.linear.roles})
+    def expert_weight(self, layer, name: str, expert_id: int, dtype: str = "float32",
+                      accum: str = "float32") -> paddle.Tensor:
+        """Expert ``expert_id``'s ``[in, out]`` weight of stacked parameter ``name`` in ``dtype``, dequantized in
+        ``accum`` (max(float32, dtype): one rounding, to ``dtype``)."""
+        roles = {role: getattr(layer, _moe_param_name(name, role))[expert_id] for role in self.linear.roles}
+        return self.linear.dequantize_roles(roles, accum).astype(dtype)
+
+    def stacked_weight(self, layer, name: str, dtype: str, accum: str) -> paddle.Tensor:
+        """Every expert's weight ``[E, in, out]`` of stacked parameter ``name`` (see :meth:`expert_weight`): a
+        transient full-precision copy of one layer's experts."""
+        return paddle.stack([self.expert_weight(layer, name, e, dtype, accum) for e in range(layer.num_experts)])
 
 
 _MOE_SHARDS = {"up_gate_proj_weight": ("gate", "up"), "down_proj_weight": ("down",)}
@@ -472,17 +520,16 @@ def _shard_name(layer, shard_id) -> str:
     return layer.prefix if shard_id is None else f"{layer.prefix}[{shard_id}]"
 
 
-def _gpu_weight_only(method, layer, x, weight_dtype: str, group_size: int):
-    """Paddle's weight-only GPU matmul. Unverified here (no GPU Paddle): the weight is re-quantized once by
-    ``weight_quantize`` from the exact dequantized values into the kernel's architecture-specific layout."""
-    cached = getattr(layer, "_gpu_weight_only", None)
-    if cached is None:
-        w = method.dequantize(layer).astype(x.dtype)
-        cached = paddle.nn.quant.weight_quantize(w, algo=f"weight_only_{weight_dtype}", group_size=group_size)
-        layer._gpu_weight_only = cached
-    qweight, scale = cached
-    return paddle.nn.quant.weight_only_linear(x, qweight, weight_scale=scale, weight_dtype=weight_dtype,
-                                              group_size=group_size)
+def _replace_param(layer, name: str, value: paddle.Tensor) -> None:
+    """Swap parameter ``name`` for one holding ``value`` (another shape or dtype), keeping the loader's
+    bookkeeping; the old parameter is released."""
+    old = getattr(layer, name)
+    new = create_param(layer, value.shape, value.dtype)
+    new.set_value(value)
+    for attr in ("param_path", "expected_shards", "loaded_shards", "quant_role", "weight_loader"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    setattr(layer, name, new)
 
 
 _LINEAR_METHODS = {"wint8": WeightOnlyInt8Method, "wint4": WeightOnlyInt4Method, "gptq": GPTQMethod,

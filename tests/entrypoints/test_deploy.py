@@ -122,3 +122,51 @@ def test_plan_cli_on_the_real_config():
     assert r.returncode == 1  # does not fit
     out = json.loads(r.stdout)
     assert out["state_bytes_per_seq"] == 35 * MiB and not out["fits"]
+
+
+def test_plan_refuses_gpu_weight_only_outside_the_kernel_contract(tmp_path):
+    """wint4 with group_size 32 on a GPU: Paddle's weight_only_linear takes -1/64/128 only; the planner names the
+    first linear layer and the supported set, as building the model there would. group_size 128 plans."""
+    text = (f"model: /models/MiniMax-M1-80k\nmodel_info: {M1_DIR}\ndevice: gpu\ndevice_memory: 80GB\n"
+            "tensor_parallel_size: 8\ndtype: bfloat16\nmax_model_len: 131072\nmax_num_seqs: 16\n"
+            "quantization: {method: wint4, group_size: 32}\n")
+    path = write_yaml(tmp_path, text)
+    cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "plan", "--config", path]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert (f"{path}: field 'quantization': 'model.layers.0.self_attn.qkv_proj': wint4 on a GPU runs Paddle's "
+            "weight_only_linear, which supports bfloat16 and float16 activations with group_size -1 (per channel), "
+            "64 or 128; got dtype bfloat16, group_size 32") in r.stderr
+    (tmp_path / "deploy.yaml").write_text(text.replace("group_size: 32", "group_size: 128"))
+    assert plan(load_config(path)).fits
+    (tmp_path / "deploy.yaml").write_text(text.replace("wint4, group_size: 32", "wint3"))
+    with pytest.raises(ConfigError, match="field 'quantization' mapping must be"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("quantization", ["wint8", {"method": "wint4", "group_size": 16}], ids=["wint8", "wint4"])
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MiniMaxM1ForCausalLM"])
+def test_planned_quantized_bytes_are_what_the_loaded_model_holds(tmp_path, arch, quantization):
+    from fastdeploy_ext import LLM
+    from fastdeploy_ext.quantization import model_weight_bytes
+
+    write_tiny(arch, str(tmp_path), seed=0)
+    cfg = load_config(None, {"model": str(tmp_path), "device": "cpu", "quantization": quantization,
+                             "max_model_len": 256})
+    planned = plan(cfg).weight_breakdown["quantized linear"]
+    with LLM(model=str(tmp_path), max_model_len=256, quantization=quantization) as llm:
+        assert planned == model_weight_bytes(llm.llm_engine.model)["quantized"]
+
+
+def test_cache_and_state_bytes_follow_the_dtype(tmp_path):
+    """KV pages hold the compute dtype and the lightning state max(float32, dtype): float64 doubles both."""
+    write_tiny("MiniMaxM1ForCausalLM", str(tmp_path), seed=0)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    full = sum(1 for t in cfg["attn_type_list"] if t == 1)
+    linear = len(cfg["attn_type_list"]) - full
+    plans = {d: plan(load_config(None, {"model": str(tmp_path), "dtype": d, "max_model_len": 256}))
+             for d in ("float32", "float64")}
+    for dtype, elem in (("float32", 4), ("float64", 8)):
+        p = plans[dtype]
+        assert p.kv_bytes_per_token == full * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * elem
+        assert p.state_bytes_per_seq == linear * cfg["num_attention_heads"] * cfg["head_dim"] ** 2 * elem

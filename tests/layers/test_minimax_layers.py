@@ -19,6 +19,7 @@ from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError
 from fastdeploy_ext.models.minimax_m1 import MiniMaxM1DecoderLayer
 from fastdeploy_ext.ops.host import cpu_gemm
+from fastdeploy_ext.ops.host.moe import HostMoE
 from fastdeploy_ext.tiny.minimax_m1 import write_tiny_minimax_m1
 
 REL_TOL = 1e-5
@@ -282,7 +283,7 @@ def _moe_case(seed, tokens, experts=5, top_k=2, hidden=32, inter=24, dead_expert
 def test_moe_batched_and_exact_paths_match_per_token_loop(monkeypatch, seed, tokens, max_pad, dead, batched):
     """Both dispatch layouts (padded segments + one batched matmul, exact segments + a matmul per expert that
     has rows) equal the float64 per-token loop; an expert without tokens forces the exact path."""
-    from fastdeploy_ext.layers import moe as moe_module
+    from fastdeploy_ext.ops.host import moe as moe_module
 
     monkeypatch.setattr(moe_module, "_MAX_PAD_ROWS", max_pad)
     calls = []
@@ -314,12 +315,12 @@ def test_moe_packed_experts_match_per_token_loop(monkeypatch, seed, tokens, dead
     expert) and equal the float64 per-token loop; loading an expert again drops the stale pack."""
     moe, gate, x, want = _moe_case(seed, tokens, dead_expert=dead)
     moe.process_weights_after_loading()
-    monkeypatch.setattr(FusedMoE, "_project", lambda *a: pytest.fail("Paddle's expert matmul ran"))
+    monkeypatch.setattr(HostMoE, "_project", lambda *a: pytest.fail("Paddle's expert matmul ran"))
     got = moe(x, gate).numpy()
     assert rel_err(got, want) <= REL_TOL
     moe.up_gate_proj_weight.loaded_shards.discard("0.gate")
     moe.weight_loader(moe.up_gate_proj_weight, np.zeros((moe.intermediate_size, moe.hidden_size)), "gate", 0)
-    assert moe._packed is None
+    assert moe._impl.packed is None
 
 
 @pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")

@@ -1,0 +1,285 @@
+"""``fused_moe``: the Triton expert block on torch or Paddle tensors (README.md has the math and the layout).
+
+torch tensors launch directly; Paddle tensors through the lightning launcher's ``PaddleOps`` (the compat layer
+on a GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU; fastdeploy_conventions.md §9).
+Imports neither framework at import time.
+"""
+
+from dataclasses import dataclass, field
+
+import triton.language as tl
+
+from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
+from fastdeploy_ext.ops.lightning_attn import launcher
+
+__all__ = ["GemmConfig", "MoEConfig", "default_config", "fused_moe", "max_tiles"]
+
+_FLOAT_DTYPES = ("float32", "bfloat16")
+_ID_DTYPES = ("int32", "int64")
+_MAX_EXPERTS = 1024
+_INT32_MAX = 2**31 - 1
+_COMBINE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
+    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """``up``: the gate/up GEMM (``block_n`` columns of each of gate and up); ``down``: the down GEMM;
+    ``align_block``: pairs per align program (batches of more than 4 blocks sort in three launches)."""
+
+    up: GemmConfig = field(default_factory=GemmConfig)
+    down: GemmConfig = field(default_factory=GemmConfig)
+    align_block: int = 1024
+    combine_block: int = 512
+
+
+def default_config(num_pairs, num_experts, hidden, inter, num_sms=132):
+    """Tiles by rows per expert. Few rows: weight streaming bounds the time, so tiles are short (one per expert)
+    and the K loop is split until the grid covers the GPU a couple of times; many rows: square tiles."""
+    rows = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
+    if rows <= 16:
+        block_m, warps = 16, 4
+    elif rows <= 32:
+        block_m, warps = 32, 4
+    elif rows <= 64:
+        block_m, warps = 64, 4
+    else:
+        block_m, warps = 128, 8
+    if block_m == 128:
+        up = GemmConfig(128, 64, 64, 1, 8, 8, 4)
+        down = GemmConfig(128, 128, 64, 1, 8, 8, 4)
+        return MoEConfig(up, down)
+    tiles = max_tiles(num_pairs, num_experts, block_m)
+    up = GemmConfig(block_m, 64, 128, _split(tiles * _cdiv(inter, 64), hidden, 128, num_sms), 8, warps, 4)
+    down = GemmConfig(block_m, 64, 128, _split(tiles * _cdiv(hidden, 64), inter, 128, num_sms), 8, warps, 4)
+    return MoEConfig(up, down)
+
+
+def _split(programs, depth, block_k, num_sms):
+    split = 1
+    while programs * split < 2 * num_sms and depth // (2 * split) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def max_tiles(num_pairs, num_experts, block_m):
+    """An upper bound on the M tiles the sorted pairs need, from shapes alone (so no host sync): expert e takes
+    ``cdiv(count_e, block_m)`` tiles, at most ``(count_e + block_m - 1) / block_m`` for each of at most
+    ``min(E, P)`` experts with pairs."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=None, down_scale=None, out=None,
+              config=None):
+    """``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, ``e = topk_ids[t, j]``.
+
+    ``x`` ``[T, hidden]`` float32 or bfloat16; ``up_gate_w`` ``[E, hidden, 2 * inter]`` (gate columns first, then
+    up) and ``down_w`` ``[E, inter, hidden]``, both of ``x``'s dtype, or both int8 codes with float32 scales
+    ``up_gate_scale`` ``[E, 1, 2 * inter]`` and ``down_scale`` ``[E, 1, hidden]`` (the project's wint8 layout);
+    ``topk_ids`` ``[T, k]`` int32/int64 (an id outside ``[0, E)`` contributes nothing) and ``topk_weights``
+    ``[T, k]`` float32 or bfloat16. All contiguous on one CUDA device (or the CPU under ``TRITON_INTERPRET=1``),
+    all torch or all Paddle. ``out`` (``[T, hidden]`` float32 or bfloat16) is overwritten entirely; by default
+    one of ``x``'s dtype is returned. ``config``: a :class:`MoEConfig` (default: :func:`default_config`).
+    """
+    ops = _ops_for(x)
+    num_tokens, hidden, num_experts, inter, top_k, int8 = _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights,
+                                                                 up_gate_scale, down_scale)
+    out = _check_out(ops, out, x, (num_tokens, hidden))
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return out
+    cfg = config or default_config(num_pairs, num_experts, hidden, inter, ops.num_sms(x) or 132)
+    interp = launcher.interpreter_enabled()
+    # bf16 operands on tensor cores; fp32 IEEE otherwise, and always under the interpreter (NumPy has no bf16).
+    dot = ("bfloat16", "tf32") if _dtype_name(x) == "bfloat16" and not interp else ("float32", "ieee")
+    round_act = interp and _dtype_name(x) == "bfloat16"
+    e_pad = max(2, _next_pow2(num_experts))
+    scale1 = up_gate_scale if int8 else up_gate_w
+    scale2 = down_scale if int8 else down_w
+
+    sorted_pairs = ops.empty([num_pairs], "int32", x)
+    offsets = ops.empty([num_experts + 1], "int32", x)
+    num_blocks = _cdiv(num_pairs, cfg.align_block)
+    align_meta = dict(E_PAD=e_pad, BLOCK=cfg.align_block, num_warps=4)
+    if num_blocks <= 4:
+        # A decode batch's few pairs take a block of their own size, not align_block lanes.
+        align_meta["BLOCK"] = min(cfg.align_block, max(16, _next_pow2(num_pairs)))
+        ops.launch(tk._align_kernel, (1,), [topk_ids, sorted_pairs, offsets, num_pairs, num_experts], **align_meta)
+    else:
+        hist = ops.empty([num_blocks, e_pad], "int32", x)
+        ops.launch(tk._align_count_kernel, (num_blocks,), [topk_ids, hist, num_pairs, num_experts], **align_meta)
+        ops.launch(tk._align_scan_kernel, (1,), [hist, offsets, num_blocks, num_experts], E_PAD=e_pad, num_warps=1)
+        ops.launch(tk._align_scatter_kernel, (num_blocks,), [topk_ids, sorted_pairs, hist, num_pairs, num_experts],
+                   **align_meta)
+
+    act = ops.empty([num_pairs, inter], _dtype_name(x), x)
+    up = cfg.up
+    tiles = max_tiles(num_pairs, num_experts, up.block_m)
+    chunk = _k_chunk(hidden, up)
+    dest = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
+    ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
+               [x, up_gate_w, scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts, num_pairs, top_k,
+                tiles, chunk],
+               **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
+    if up.split_k > 1:
+        ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
+                   [dest, offsets, act, num_pairs, inter, num_experts],
+                   SPLIT_K=up.split_k, BR=16, BC=256, ROUND_BF16=round_act, num_warps=4)
+
+    down = cfg.down
+    tiles = max_tiles(num_pairs, num_experts, down.block_m)
+    y = ops.empty([down.split_k, num_pairs, hidden], "float32", x)
+    ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
+               [act, down_w, scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter, num_experts, num_pairs,
+                tiles, _k_chunk(inter, down)],
+               **_gemm_meta(down, e_pad, int8, dot, inter))
+    ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
+               [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
+               SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block, ROUND_BF16=interp and _dtype_name(out) == "bfloat16",
+               num_warps=4)
+    return out
+
+
+def _k_chunk(depth, g):
+    return _cdiv(_cdiv(depth, g.split_k), g.block_k) * g.block_k
+
+
+def _gemm_meta(g, e_pad, int8, dot, depth):
+    return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
+                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
+                num_stages=g.num_stages)
+
+
+def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, down_scale):
+    if not ops.is_cuda(x) and not (ops.is_cpu(x) and launcher.interpreter_enabled()):
+        raise ValueError(f"x is on {ops.device_key(x)}: the kernels need a CUDA device, or CPU tensors with "
+                         "TRITON_INTERPRET=1")
+    named = {"x": x, "up_gate_w": up_gate_w, "down_w": down_w, "topk_ids": topk_ids, "topk_weights": topk_weights}
+    for name, t in named.items():
+        _check_tensor(ops, t, name, x)
+    if len(x.shape) != 2 or _dtype_name(x) not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float32 or bfloat16 [tokens, hidden], got {_dtype_name(x)} {list(x.shape)}")
+    num_tokens, hidden = (int(s) for s in x.shape)
+    if len(up_gate_w.shape) != 3 or up_gate_w.shape[1] != hidden or up_gate_w.shape[2] % 2:
+        raise ValueError(f"up_gate_w must be [E, {hidden}, 2 * inter], got {list(up_gate_w.shape)}")
+    num_experts, inter = int(up_gate_w.shape[0]), int(up_gate_w.shape[2]) // 2
+    if list(down_w.shape) != [num_experts, inter, hidden]:
+        raise ValueError(f"down_w must be [{num_experts}, {inter}, {hidden}], got {list(down_w.shape)}")
+    if num_experts > _MAX_EXPERTS:
+        raise ValueError(f"at most {_MAX_EXPERTS} experts, got {num_experts}")
+    if hidden * 2 * inter > _INT32_MAX:
+        raise ValueError(f"one expert's up_gate_w ({hidden} x {2 * inter}) must have fewer than 2**31 elements")
+    int8 = _dtype_name(up_gate_w) == "int8"
+    if int8 != (_dtype_name(down_w) == "int8"):
+        raise ValueError(f"up_gate_w and down_w are both int8 or neither, got {_dtype_name(up_gate_w)} and "
+                         f"{_dtype_name(down_w)}")
+    if int8:
+        if inter % 4 or hidden % 4:
+            raise ValueError(f"int8 experts need hidden ({hidden}) and inter ({inter}) to be multiples of 4 (codes are "
+                             "read 4 at a time)")
+        for name, s, width in (("up_gate_scale", up_gate_scale, 2 * inter), ("down_scale", down_scale, hidden)):
+            if s is None:
+                raise ValueError(f"int8 experts need {name} (float32 [E, 1, {width}])")
+            _check_tensor(ops, s, name, x)
+            if list(s.shape) != [num_experts, 1, width] or _dtype_name(s) != "float32":
+                raise ValueError(f"{name} must be float32 [{num_experts}, 1, {width}], got {_dtype_name(s)} "
+                                 f"{list(s.shape)}")
+    else:
+        if _dtype_name(up_gate_w) != _dtype_name(x) or _dtype_name(down_w) != _dtype_name(x):
+            raise ValueError(f"float experts must have x's dtype {_dtype_name(x)}, got {_dtype_name(up_gate_w)} and "
+                             f"{_dtype_name(down_w)}")
+        if up_gate_scale is not None or down_scale is not None:
+            raise ValueError("scales go with int8 experts only")
+    if len(topk_ids.shape) != 2 or topk_ids.shape[0] != num_tokens or _dtype_name(topk_ids) not in _ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32/int64 [{num_tokens}, k], got {_dtype_name(topk_ids)} "
+                         f"{list(topk_ids.shape)}")
+    top_k = int(topk_ids.shape[1])
+    if list(topk_weights.shape) != [num_tokens, top_k] or _dtype_name(topk_weights) not in _FLOAT_DTYPES:
+        raise ValueError(f"topk_weights must be float32/bfloat16 [{num_tokens}, {top_k}], got "
+                         f"{_dtype_name(topk_weights)} {list(topk_weights.shape)}")
+    return num_tokens, hidden, num_experts, inter, top_k, int8
+
+
+def _check_tensor(ops, t, name, like):
+    if not ops.owns(t):
+        raise ValueError(f"{name} must be a {ops.name} tensor like x, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if ops.device_key(t) != ops.device_key(like):
+        raise ValueError(f"{name} is on {ops.device_key(t)} but x is on {ops.device_key(like)}")
+
+
+def _check_out(ops, out, x, shape):
+    if out is None:
+        return ops.empty(list(shape), _dtype_name(x), x)
+    _check_tensor(ops, out, "out", x)
+    if tuple(int(s) for s in out.shape) != shape or _dtype_name(out) not in _FLOAT_DTYPES:
+        raise ValueError(f"out must be float32 or bfloat16 {list(shape)}, got {_dtype_name(out)} {list(out.shape)}")
+    return out
+
+
+def _ops_for(x):
+    if launcher.is_paddle_tensor(x):
+        return launcher.PaddleOps()
+    if type(x).__module__.startswith("torch"):
+        return _TorchOps()
+    raise ValueError(f"x must be a torch.Tensor or paddle.Tensor, got {type(x).__name__}")
+
+
+class _TorchOps:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def owns(self, t):
+        return isinstance(t, self.torch.Tensor)
+
+    def is_cuda(self, t):
+        return t.device.type == "cuda"
+
+    def is_cpu(self, t):
+        return t.device.type == "cpu"
+
+    def device_key(self, t):
+        return t.device
+
+    def empty(self, shape, dtype_name, like):
+        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
+
+    def num_sms(self, t):
+        if not self.is_cuda(t):
+            return None
+        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
+
+    def launch(self, kernel, grid, args, **meta):
+        if launcher.interpreter_enabled():
+            launcher.patch_interpreter_scalar_index()
+        kernel[grid](*args, **meta)
+
+
+def _dtype_name(t):
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(n):
+    return 1 << (max(1, n) - 1).bit_length()

@@ -1,0 +1,362 @@
+"""Triton kernels of the fused MoE expert block (README.md has the math and the layout).
+
+Framework-neutral: pointers, int strides and constexpr flags only; ``launcher.fused_moe`` allocates and launches
+them for torch or Paddle tensors. The pipeline, all on the device (no host sync, every grid sized from shapes):
+
+1. align: a stable counting sort of the ``P = T * k`` (token, slot) pairs by expert into ``sorted_pairs``, and the
+   expert row offsets ``offsets[E + 1]``. One program for small batches; count / scan / scatter over blocks of
+   pairs for large ones (the same result).
+2. ``_up_gate_kernel``: grouped GEMM tiles over the sorted rows, one expert per tile, gate and up accumulated
+   side by side from one gathered ``x`` tile; ``silu(gate) * up`` in the epilogue, or fp32 partial sums per K
+   split that ``_silu_reduce_kernel`` adds up when few tiles need a split K to fill the GPU.
+3. ``_down_kernel``: grouped GEMM tiles of ``act @ W_down[e]`` with each row's routing weight applied in the
+   epilogue, written as fp32 per pair (and K split).
+4. ``_combine_kernel``: each token's ``k`` pairs (and splits) summed in a fixed order into the output, so
+   repeated runs are bit-identical.
+
+A GEMM program finds its expert and rows from ``offsets`` alone (``_tile_rows``); programs beyond the last tile,
+and experts without pairs, load nothing. int8 codes enter the dot as bf16 (exact) or fp32 and the per-column
+scale multiplies the fp32 accumulator: ``sum_c x_c q_co s_o = s_o sum_c x_c q_co``.
+"""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def _pair_experts(ids_ptr, p, P, E):
+    e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+    return tl.where((e >= 0) & (e < E), e, -1)
+
+
+@triton.jit
+def _one_hot(e, E_PAD: tl.constexpr):
+    return (e[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _block_counts(ids_ptr, p0, P, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    e = _pair_experts(ids_ptr, p0 + tl.arange(0, BLOCK), P, E)
+    return tl.sum(_one_hot(e, E_PAD), axis=0)
+
+
+@triton.jit
+def _store_offsets(offsets_ptr, counts, E, E_PAD: tl.constexpr):
+    # offsets[0] = 0, offsets[e + 1] = end of expert e's rows; returns every expert's first row.
+    idx = tl.arange(0, E_PAD)
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(offsets_ptr + 1 + idx, ends, mask=idx < E)
+    tl.store(offsets_ptr + idx, tl.zeros([E_PAD], tl.int32), mask=idx == 0)
+    return ends - counts
+
+
+@triton.jit
+def _scatter_block(ids_ptr, sorted_ptr, p0, P, E, base, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    # base[e]: the sorted row of this block's first pair of expert e. A pair's row is base plus the number of
+    # earlier pairs of its expert in the block (an inclusive scan of the one-hot matrix, minus one): stable.
+    p = p0 + tl.arange(0, BLOCK)
+    e = _pair_experts(ids_ptr, p, P, E)
+    hot = _one_hot(e, E_PAD)
+    rank = tl.cumsum(hot, axis=0) - 1 + base[None, :]
+    row = tl.sum(tl.where(hot != 0, rank, 0), axis=1)
+    tl.store(sorted_ptr + row, p.to(tl.int32), mask=e >= 0)
+    return base + tl.sum(hot, axis=0)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, offsets_ptr, P, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    counts = tl.zeros([E_PAD], tl.int32)
+    for p0 in range(0, P, BLOCK):
+        counts += _block_counts(ids_ptr, p0, P, E, E_PAD, BLOCK)
+    base = _store_offsets(offsets_ptr, counts, E, E_PAD)
+    for p0 in range(0, P, BLOCK):
+        base = _scatter_block(ids_ptr, sorted_ptr, p0, P, E, base, E_PAD, BLOCK)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, hist_ptr, P, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    counts = _block_counts(ids_ptr, b.to(tl.int64) * BLOCK, P, E, E_PAD, BLOCK)
+    tl.store(hist_ptr + b * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def _align_scan_kernel(hist_ptr, offsets_ptr, num_blocks, E, E_PAD: tl.constexpr):
+    # Per-block counts in, per-block first rows out (in place).
+    idx = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for b in range(0, num_blocks):
+        counts += tl.load(hist_ptr + b * E_PAD + idx)
+    base = _store_offsets(offsets_ptr, counts, E, E_PAD)
+    for b in range(0, num_blocks):
+        here = tl.load(hist_ptr + b * E_PAD + idx)
+        tl.store(hist_ptr + b * E_PAD + idx, base)
+        base += here
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, sorted_ptr, hist_ptr, P, E, E_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    base = tl.load(hist_ptr + b * E_PAD + tl.arange(0, E_PAD))
+    _scatter_block(ids_ptr, sorted_ptr, b.to(tl.int64) * BLOCK, P, E, base, E_PAD, BLOCK)
+
+
+@triton.jit
+def _tile_rows(offsets_ptr, tile, E, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """Expert and sorted rows ``[row0, row_end)`` of M tile ``tile``: expert e owns ``cdiv(count_e, BM)``
+    consecutive tiles. A tile past the last one gets ``row0 >= row_end``."""
+    idx = tl.arange(0, E_PAD)
+    starts = tl.load(offsets_ptr + idx, mask=idx < E, other=0)
+    ends = tl.load(offsets_ptr + idx + 1, mask=idx < E, other=0)
+    tiles = (ends - starts + BM - 1) // BM
+    # Inclusive prefix sum as a triangular reduction: E_PAD**2 lanes, cheaper than a scan (and in the interpreter).
+    tile_end = tl.sum(tl.where(idx[None, :] <= idx[:, None], tiles[None, :], 0), axis=1)
+    e = tl.sum((tile_end <= tile).to(tl.int32), axis=0)
+    mine = idx == e
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BM
+    row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    return e, row0, row_end
+
+
+@triton.jit
+def _rounded(v, ROUND_BF16: tl.constexpr):
+    # The interpreter converts fp32 to bf16 by truncation, a GPU to the nearest (ties to even): round first there,
+    # so that the CPU checks the function the GPU computes.
+    if ROUND_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        v = bits.to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    # GROUP_M M tiles side by side per N column: neighbouring programs share weight columns (same expert).
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _operand(b, DOT_T: tl.constexpr, INT8: tl.constexpr):
+    # int8 codes arrive as int32 words of 4 consecutive columns: an int8 [BK, BN] tile is column-contiguous, and
+    # the MMA wants it K-contiguous, which for bytes meant one shared-memory load per byte. Each byte is
+    # sign-extended and the four interleaved back into columns (little-endian: byte i is column 4j + i).
+    if INT8:
+        c0 = ((b << 24) >> 24).to(DOT_T)
+        c1 = ((b << 16) >> 24).to(DOT_T)
+        c2 = ((b << 8) >> 24).to(DOT_T)
+        c3 = (b >> 24).to(DOT_T)
+        out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [b.shape[0], 4 * b.shape[1]])
+    else:
+        out = b.to(DOT_T)
+    return out
+
+
+@triton.jit
+def _up_gate_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, H, 2I]: gate columns [0, I), up columns [I, 2I)
+    scale_ptr,  # [E, 1, 2I] float32 (INT8 only)
+    sorted_ptr,  # [P] int32 pair ids in expert order
+    offsets_ptr,  # [E + 1] int32
+    out_ptr,  # SPLIT_K == 1: act [P, I]; else fp32 partials [SPLIT_K, P, 2I]
+    H,
+    I,
+    E,
+    P,
+    top_k,
+    num_tiles_m,
+    k_chunk,  # H / SPLIT_K rounded up to BK
+    E_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INT8: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(I, BN), GROUP_M)
+    split = tl.program_id(1)
+    e, row0, row_end = _tile_rows(offsets_ptr, pid_m, E, E_PAD, BM)
+    if row0 >= row_end:
+        return
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    tok = (tl.load(sorted_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < I
+    kk = tl.arange(0, BK)
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, H)
+    # 64-bit where it can exceed 2**31 (expert base, token rows); offsets inside one expert's matrix are int32
+    # (the launcher checks H * 2I < 2**31), which keeps the pointer tiles small.
+    x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
+    # B is read in words of LANES columns (int8: 4 codes per int32, see _operand); the launcher checks I % 4 == 0.
+    LANES: tl.constexpr = 4 if INT8 else 1
+    w_expert = w_ptr + e.to(tl.int64) * H * 2 * I
+    if INT8:
+        w_expert = w_expert.to(tl.pointer_type(tl.int32))
+    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
+    word_ok = words * LANES < I
+    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I // LANES) + words[None, :]
+    acc_g = tl.zeros([BM, BN], tl.float32)
+    acc_u = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=word_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I // LANES, mask=word_ok[None, :], other=0)
+        else:
+            k_ok = (k0 + kk) < k_hi
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I // LANES, mask=k_ok[:, None] & word_ok[None, :], other=0)
+        a = a.to(DOT_T)
+        acc_g = tl.dot(a, _operand(bg, DOT_T, INT8), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, _operand(bu, DOT_T, INT8), acc_u, input_precision=PRECISION)
+        x_ptrs += BK
+        g_ptrs += BK * (2 * I // LANES)
+    if INT8:
+        scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
+        acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        acc_u *= tl.load(scales + I, mask=col_ok, other=0.0)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        dst = out_ptr + rows[:, None].to(tl.int64) * I + cols[None, :]
+        tl.store(dst, _rounded(act, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        dst = out_ptr + (split.to(tl.int64) * P + rows[:, None]) * (2 * I) + cols[None, :]
+        tl.store(dst, acc_g, mask=mask)
+        tl.store(dst + I, acc_u, mask=mask)
+
+
+@triton.jit
+def _silu_reduce_kernel(
+    part_ptr,  # [SPLIT_K, P, 2I] fp32
+    offsets_ptr,
+    out_ptr,  # [P, I]
+    P,
+    I,
+    E,
+    SPLIT_K: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    # Rows past the last routed pair were never written by the GEMM: leave them (nothing reads them).
+    mask = (rows < tl.load(offsets_ptr + E))[:, None] & (cols < I)[None, :]
+    src = part_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
+    g = tl.zeros([BR, BC], tl.float32)
+    u = tl.zeros([BR, BC], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        g += tl.load(src + s * P * 2 * I, mask=mask, other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=mask, other=0.0)
+    act = g / (1.0 + tl.exp(-g)) * u
+    act = _rounded(act, ROUND_BF16)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr,  # act [P, I] in sorted order
+    w_ptr,  # [E, I, H]
+    scale_ptr,  # [E, 1, H] float32 (INT8 only)
+    sorted_ptr,
+    offsets_ptr,
+    topk_weights_ptr,  # [P] (flattened [T, k])
+    y_ptr,  # [SPLIT_K, P, H] fp32, rows indexed by pair id
+    H,
+    I,
+    E,
+    P,
+    num_tiles_m,
+    k_chunk,
+    E_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INT8: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(H, BN), GROUP_M)
+    split = tl.program_id(1)
+    e, row0, row_end = _tile_rows(offsets_ptr, pid_m, E, E_PAD, BM)
+    if row0 >= row_end:
+        return
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < H
+    kk = tl.arange(0, BK)
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, I)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
+    LANES: tl.constexpr = 4 if INT8 else 1
+    w_expert = w_ptr + e.to(tl.int64) * I * H
+    if INT8:
+        w_expert = w_expert.to(tl.pointer_type(tl.int32))
+    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
+    word_ok = words * LANES < H
+    w_ptrs = w_expert + (k_lo + kk)[:, None] * (H // LANES) + words[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=word_ok[None, :], other=0)
+        else:
+            k_ok = (k0 + kk) < k_hi
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
+        acc = tl.dot(a.to(DOT_T), _operand(b, DOT_T, INT8), acc, input_precision=PRECISION)
+        a_ptrs += BK
+        w_ptrs += BK * (H // LANES)
+    if INT8:
+        acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
+    pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
+    acc *= tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dst = y_ptr + (split.to(tl.int64) * P + pair[:, None]) * H + cols[None, :]
+    tl.store(dst, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,  # [SPLIT_K, P, H] fp32
+    ids_ptr,  # [P]
+    out_ptr,  # [T, H]
+    T,
+    H,
+    E,
+    P,
+    top_k,
+    SPLIT_K: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    tok_ok = tok < T
+    col_ok = cols < H
+    acc = tl.zeros([BT, BH], tl.float32)
+    for j in range(0, top_k):
+        p = tok * top_k + j
+        e = tl.load(ids_ptr + p, mask=tok_ok, other=-1)
+        # An id outside [0, E) was never computed: its rows of y hold nothing.
+        mask = (tok_ok & (e >= 0) & (e < E))[:, None] & col_ok[None, :]
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(y_ptr + (s * P + p[:, None]) * H + cols[None, :], mask=mask, other=0.0)
+    dst = out_ptr + tok[:, None] * H + cols[None, :]
+    tl.store(dst, _rounded(acc, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,191 @@
+"""The fused-MoE Triton kernels on the CPU interpreter against the float64 NumPy definition.
+
+``TRITON_INTERPRET=1`` has to be set before Triton compiles anything, so each framework runs all of its cases
+in one subprocess (``fused_moe_interp_runner.py``); the cases are written and checked here. Every output
+buffer starts filled with NaN. GPU tests at M1's shapes: ``test_fused_moe_gpu.py``.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from fastdeploy_ext.ops.fused_moe.reference import fused_moe_reference
+
+RUNNER = os.path.join(os.path.dirname(__file__), "fused_moe_interp_runner.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Interpreter dots are fp32 NumPy products: measured 1e-7 .. 4e-7.
+FP32_TOL = 1e-5
+# bf16 operands are upcast inside the kernel; the act intermediate and the output are bf16, and the interpreter's
+# fp32 -> bf16 stores truncate (1 ulp = 2**-8 relative): measured 2e-3 .. 3e-3.
+BF16_TOL = 8e-3
+
+
+def to_bf16_values(a):
+    """float32 values rounded to the nearest bf16 (ties to even), still float32: exact once converted."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def route(logits, top_k):
+    """Softmax top-k, renormalised: (ids int32 [T, k], weights float32 [T, k])."""
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(probs, ids, axis=1)
+    return ids.astype(np.int32), (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def quantize_wint8(w):
+    """Per-column symmetric int8 of ``[E, in, out]``: codes int8 and float32 scales ``[E, 1, out]`` (wint8)."""
+    scale = np.abs(w).max(axis=1, keepdims=True) / 127.0
+    codes = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return codes, scale.astype(np.float32)
+
+
+def make_case(seed, tokens, hidden, inter, experts, top_k, *, dtype="float32", int8=False, dead=(), drop=0, runs=1,
+              config=None):
+    """Seeded inputs and router logits. ``dead`` experts get no token and NaN weights (int8: NaN scales);
+    ``drop`` pairs get id -1 (contribute nothing)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    w1 = (rng.standard_normal((experts, hidden, 2 * inter)) / np.sqrt(hidden)).astype(np.float32)
+    w2 = (rng.standard_normal((experts, inter, hidden)) / np.sqrt(inter)).astype(np.float32)
+    router = (rng.standard_normal((experts, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    logits = x @ router.T
+    logits[:, list(dead)] = -np.inf
+    ids, weights = route(logits, top_k)
+    if drop:
+        ids.reshape(-1)[rng.choice(ids.size, drop, replace=False)] = -1
+    case = dict(x=x, topk_ids=ids, topk_weights=weights)
+    if int8:
+        (c1, s1), (c2, s2) = quantize_wint8(w1), quantize_wint8(w2)
+        s1[list(dead)] = np.nan
+        s2[list(dead)] = np.nan
+        case.update(up_gate_w=c1, down_w=c2, up_gate_scale=s1, down_scale=s2)
+    else:
+        w1[list(dead)] = np.nan
+        w2[list(dead)] = np.nan
+        case.update(up_gate_w=w1, down_w=w2)
+    if dtype == "bfloat16":
+        for name in ("x",) if int8 else ("x", "up_gate_w", "down_w"):
+            case[name] = to_bf16_values(case[name])
+    meta = dict(dtype=dtype, runs=runs, config=config and dataclasses.asdict(config))
+    case["meta"] = np.array(json.dumps(meta))
+    return case
+
+
+def _config(up, down, align_block=1024):
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, MoEConfig
+
+    return MoEConfig(GemmConfig(*up), GemmConfig(*down), align_block=align_block)
+
+
+CASES = {
+    "fp32_t1_e4_top2": make_case(11, 1, 64, 64, 4, 2),
+    "fp32_t17_e8_top2": make_case(12, 17, 128, 96, 8, 2),  # inter 96: partial N tiles
+    "fp32_t255_e8_top1_drop": make_case(13, 255, 64, 64, 8, 1, drop=9),
+    # Split K in both GEMMs (down: 64 rows in 3 splits of 32, the last empty), the three-launch sort.
+    "fp32_t257_e8_top2_split": make_case(14, 257, 128, 64, 8, 2,
+                                         config=_config((32, 64, 64, 2), (32, 128, 32, 3), align_block=64)),
+    "fp32_t17_e8_dead_nan": make_case(15, 17, 64, 32, 8, 2, dead=(5, 6, 7)),
+    "bf16_t17_e8_top2": make_case(16, 17, 128, 64, 8, 2, dtype="bfloat16"),
+    "bf16_t257_e4_top2": make_case(17, 257, 64, 64, 4, 2, dtype="bfloat16", runs=2),
+    "int8_t255_e8_top2": make_case(18, 255, 128, 64, 8, 2, int8=True),
+    "int8_t17_e8_dead_nan": make_case(19, 17, 64, 64, 8, 2, int8=True, dead=(0, 3), runs=2,
+                                      config=_config((16, 32, 32, 2), (16, 32, 32, 1))),
+    "int8_bf16x_t17_e4_top2": make_case(20, 17, 64, 64, 4, 2, dtype="bfloat16", int8=True),
+}
+FRAMEWORK_CASES = {
+    "torch": list(CASES),
+    "paddle": ["fp32_t17_e8_dead_nan", "int8_bf16x_t17_e4_top2"],
+    "paddle-no-torch": ["fp32_t1_e4_top2"],
+}
+
+
+@pytest.fixture(scope="module")
+def interp_results(tmp_path_factory):
+    """{(framework, case): outputs}, every framework's cases in one subprocess."""
+    results = {}
+    for framework, names in FRAMEWORK_CASES.items():
+        pytest.importorskip("paddle" if framework.startswith("paddle") else "torch")
+        case_dir = tmp_path_factory.mktemp(framework)
+        for name in names:
+            np.savez(case_dir / f"{name}.in.npz", **CASES[name])
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run(["timeout", "300", sys.executable, RUNNER, str(case_dir), framework], env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ("torch imported: True" in proc.stdout) == (framework != "paddle-no-torch"), proc.stdout
+        for name in names:
+            results[framework, name] = dict(np.load(case_dir / f"{name}.out.npz"))
+    return results
+
+
+def reference(case):
+    scales = {n: case[n] for n in ("up_gate_scale", "down_scale") if n in case}
+    return fused_moe_reference(case["x"], case["up_gate_w"], case["down_w"], case["topk_ids"], case["topk_weights"],
+                               **scales)
+
+
+def rel_err(actual, expected):
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def experts_hit(case):
+    ids = case["topk_ids"]
+    return len(np.unique(ids[ids >= 0]))
+
+
+def check(name, out):
+    case = CASES[name]
+    tol = BF16_TOL if json.loads(str(case["meta"]))["dtype"] == "bfloat16" else FP32_TOL
+    assert np.isfinite(out).all(), "unwritten (NaN) or non-finite output elements"
+    err = rel_err(out, reference(case))
+    print(f"{name}: {experts_hit(case)}/{case['up_gate_w'].shape[0]} experts hit, rel err {err:.2e} (tol {tol:g})")
+    assert err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_matches_reference(interp_results, name):
+    result = interp_results["torch", name]
+    check(name, result["out0"])
+    for run in range(1, len(result)):
+        assert np.array_equal(result[f"out{run}"], result["out0"]), "repeated runs differ"
+
+
+@pytest.mark.parametrize("framework", ["paddle", "paddle-no-torch"], ids=["with-torch", "without-torch"])
+def test_paddle_tensors_through_launcher(interp_results, framework):
+    for name in FRAMEWORK_CASES[framework]:
+        check(name, interp_results[framework, name]["out0"])
+
+
+def test_dead_experts_are_never_read():
+    # The NaN weights would poison any output they touched; the reference reads only experts with pairs.
+    for name, dead in (("fp32_t17_e8_dead_nan", 3), ("int8_t17_e8_dead_nan", 2)):
+        case = CASES[name]
+        assert experts_hit(case) == case["up_gate_w"].shape[0] - dead
+        assert np.isfinite(reference(case)).all()
+
+
+def test_tolerances_can_fail():
+    # A kernel that forgot one token's second expert, or applied the routing weight twice, is caught.
+    case = CASES["fp32_t17_e8_top2"]
+    ref = reference(case)
+    scales = dict(case, topk_weights=case["topk_weights"] ** 2)
+    assert rel_err(reference(scales), ref) > 100 * FP32_TOL
+    ids = case["topk_ids"].copy()
+    ids[3, 1] = -1
+    assert rel_err(reference(dict(case, topk_ids=ids)), ref) > BF16_TOL
+    bf16 = CASES["bf16_t17_e8_top2"]
+    bf16_ref = reference(bf16)
+    # Gate and up swapped (the wrong half through silu) is far outside even the bf16 tolerance.
+    w1 = bf16["up_gate_w"]
+    swapped = np.concatenate([w1[..., w1.shape[2] // 2:], w1[..., :w1.shape[2] // 2]], axis=2)
+    assert rel_err(reference(dict(bf16, up_gate_w=swapped)), bf16_ref) > 10 * BF16_TOL

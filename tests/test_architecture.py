@@ -1,0 +1,340 @@
+"""Architecture rules, checked on the source by ``ast`` (issue 15, "Prove it (CPU)"):
+
+1. Layers and models pick their implementation once, at construction: no function in ``fastdeploy_ext/layers/`` or
+   ``fastdeploy_ext/models/`` other than ``__init__``, weight loaders (names containing ``weight_loader`` or
+   ``_load``), ``load_weights`` and ``process_weights_after_loading`` branches (``if``, ternary, ``while``) on a
+   condition mentioning a place/backend predicate (:data:`BACKEND_WORDS`) or comparing a ``.dtype`` attribute, or
+   calls ``np.from_dlpack``. An ``if`` whose body only raises (and has no ``else``) is a guard, not a choice of
+   implementation, and is not counted.
+2. Imports point one way, ops <- layers <- models <- engine <- entrypoints, and ``config`` imports none of them.
+3. No import cycles among ``fastdeploy_ext`` modules.
+
+Imports are read everywhere in a module (function-level ones included; ``if TYPE_CHECKING:`` blocks excluded, they
+never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
+
+The package checked is the one ``fastdeploy_ext`` resolves to (``importlib.util.find_spec``, nothing imported), so
+``PYTHONPATH=<another checkout>`` checks that checkout's tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+
+import pytest
+
+BACKEND_WORDS = ("place", "is_cpu_place", "is_gpu_place", "get_device", "is_compiled_with_cuda", "backend", "_packed",
+                 "_on_host", "_on_gpu")
+EXEMPT_EXACT = {"__init__", "load_weights", "process_weights_after_loading"}
+EXEMPT_PARTS = ("weight_loader", "_load")
+RANKS = {"ops": 0, "layers": 1, "models": 2, "engine": 3, "entrypoints": 4}
+
+
+def package_dir() -> str:
+    spec = importlib.util.find_spec("fastdeploy_ext")
+    assert spec is not None and spec.submodule_search_locations, "fastdeploy_ext is not importable"
+    return list(spec.submodule_search_locations)[0]
+
+
+def modules(root: str) -> dict[str, str]:
+    """``{dotted module name: path}`` of every .py file under the package (``pkg/__init__.py`` -> ``pkg``)."""
+    out = {}
+    base = os.path.dirname(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                path = os.path.join(dirpath, fn)
+                parts = os.path.relpath(path, base)[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                out[".".join(parts)] = path
+    return out
+
+
+def parse(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
+def rel(path: str, root: str) -> str:
+    return os.path.relpath(path, os.path.dirname(root))
+
+
+# ---------------------------------------------------------------- rule 1: no runtime backend branches
+
+
+def _words(identifier: str) -> list[str]:
+    return [w for w in identifier.split("_") if w]
+
+
+def _mentions_backend(identifier: str) -> str | None:
+    """The backend word ``identifier`` contains as whole ``_``-separated words (``backend_of`` mentions ``backend``,
+    ``self._on_gpu`` and a local ``on_gpu`` mention ``_on_gpu``, ``replace`` mentions nothing), or None."""
+    words = _words(identifier)
+    for token in BACKEND_WORDS:
+        t = _words(token)
+        if any(words[i:i + len(t)] == t for i in range(len(words) - len(t) + 1)):
+            return token
+    return None
+
+
+def _condition_findings(test: ast.AST) -> list[str]:
+    """What makes ``test`` a backend branch, one string per reason (empty: none)."""
+    mentions, compares = {}, None
+    for node in ast.walk(test):
+        ident = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        token = None if ident is None else _mentions_backend(ident)
+        if token is not None:
+            mentions.setdefault(token, []).append(ident)
+        if compares is None and isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                if any(isinstance(n, ast.Attribute) and n.attr == "dtype" for n in ast.walk(operand)):
+                    compares = f"compares .dtype ({ast.unparse(node)[:80]})"
+                    break
+    found = [f"mentions {t!r} ({', '.join(sorted(set(ids)))})" for t, ids in mentions.items()]
+    return found + ([compares] if compares else [])
+
+
+def _exempt(name: str) -> bool:
+    return name in EXEMPT_EXACT or any(p in name for p in EXEMPT_PARTS)
+
+
+class _BranchFinder(ast.NodeVisitor):
+    def __init__(self, path: str, root: str):
+        self.path, self.root, self.stack, self.found = path, root, [], []
+
+    def _visit_function(self, node):
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
+
+    def _where(self, node) -> str | None:
+        """``path:line qualified.function`` when inside a checked function, else None."""
+        if not self.stack or _exempt(self.stack[-1]):
+            return None
+        return f"{rel(self.path, self.root)}:{node.lineno} {'.'.join(self.stack)}"
+
+    def _branch(self, node, kind):
+        where = self._where(node)
+        if where is not None:
+            for finding in _condition_findings(node.test):
+                self.found.append(f"{where}: {kind} {finding}")
+        self.generic_visit(node)
+
+    def visit_If(self, node):
+        if not node.orelse and all(isinstance(stmt, ast.Raise) for stmt in node.body):
+            self.generic_visit(node)  # a guard that only raises chooses no implementation
+            return
+        self._branch(node, "if")
+
+    def visit_IfExp(self, node):
+        self._branch(node, "ternary")
+
+    def visit_While(self, node):
+        self._branch(node, "while")
+
+    def visit_Call(self, node):
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr == "from_dlpack" and isinstance(f.value, ast.Name)
+                and f.value.id in ("np", "numpy")):
+            where = self._where(node)
+            if where is not None:
+                self.found.append(f"{where}: calls {f.value.id}.from_dlpack")
+        self.generic_visit(node)
+
+
+def backend_branches(root: str) -> list[str]:
+    found = []
+    for name, path in modules(root).items():
+        if name.split(".")[1:2] in (["layers"], ["models"]):
+            finder = _BranchFinder(path, root)
+            finder.visit(parse(path))
+            found += finder.found
+    return found
+
+
+def test_no_backend_branches_in_layers_and_models():
+    found = backend_branches(package_dir())
+    assert not found, (f"{len(found)} runtime branch(es) on the place/backend/dtype, or np.from_dlpack calls, in "
+                       "layers/ and models/ (choose the implementation in __init__):\n  " + "\n  ".join(found))
+
+
+# ---------------------------------------------------------------- rules 2 and 3: the import graph
+
+
+def _is_type_checking(test: ast.AST) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.Module):
+    """Import / ImportFrom nodes anywhere in ``tree`` outside ``if TYPE_CHECKING:`` bodies."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(root: str) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line of the first such import}}`` among the package's modules."""
+    mods = modules(root)
+    graph = {m: {} for m in mods}
+    for name, path in mods.items():
+        is_pkg = os.path.basename(path) == "__init__.py"
+        for node in _imports(parse(path)):
+            targets = []
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    hit = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in mods),
+                               None)
+                    targets.append(hit)
+            else:
+                if node.level:
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (node.level - 1)]
+                    base = ".".join(pkg + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in mods else base if base in mods else None)
+            for t in targets:
+                if t is not None and t != name:
+                    graph[name].setdefault(t, node.lineno)
+    return graph
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layering_violations(root: str) -> list[str]:
+    graph, mods, out = import_graph(root), modules(root), []
+    for src, targets in sorted(graph.items()):
+        a = _area(src)
+        for dst, line in sorted(targets.items()):
+            b = _area(dst)
+            if a == "config" and b in RANKS:
+                out.append(f"{rel(mods[src], root)}:{line} imports {dst} (config imports none of {', '.join(RANKS)})")
+            elif a in RANKS and b in RANKS and RANKS[b] > RANKS[a]:
+                out.append(f"{rel(mods[src], root)}:{line} imports {dst} ({a} sits below {b})")
+    return out
+
+
+def import_cycles(root: str) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted, in sorted order."""
+    graph = import_graph(root)
+    index, low, on_stack, stack, sccs, counter = {}, {}, set(), [], [], [0]
+
+    def strongconnect(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return sorted(sccs)
+
+
+def _cycle_edges(root: str, comp: list[str]) -> list[str]:
+    graph, mods = import_graph(root), modules(root)
+    members = set(comp)
+    return [f"{rel(mods[s], root)}:{line} -> {d}" for s in comp for d, line in sorted(graph[s].items()) if d in members]
+
+
+def test_imports_point_one_way():
+    found = layering_violations(package_dir())
+    assert not found, "imports against ops <- layers <- models <- engine <- entrypoints (config imports none):\n  " + \
+        "\n  ".join(found)
+
+
+def test_no_import_cycles():
+    root = package_dir()
+    cycles = import_cycles(root)
+    assert not cycles, "import cycles among fastdeploy_ext modules:\n" + "\n".join(
+        f"  {' <-> '.join(c)}\n    " + "\n    ".join(_cycle_edges(root, c)) for c in cycles)
+
+
+# ---------------------------------------------------------------- the checker itself
+
+
+def test_checker_sees_what_it_should(tmp_path):
+    """A planted package: each rule fires on its case and stays quiet on the exempt and harmless ones."""
+    pkg = tmp_path / "fastdeploy_ext"
+    files = {
+        "__init__.py": "",
+        "config/__init__.py": "",
+        "config/base.py": "from fastdeploy_ext.quantization import methods\n",
+        "quantization/__init__.py": "",
+        "quantization/methods.py": "def f():\n    from fastdeploy_ext.config.base import X\n",
+        "ops/__init__.py": "",
+        "ops/k.py": "from ..layers import attn\n",
+        "layers/__init__.py": "",
+        "layers/attn.py": (
+            "import numpy as np\n"
+            "class A:\n"
+            "    def __init__(self, x):\n"
+            "        if x.place.is_gpu_place():\n            pass\n"
+            "    def weight_loader(self, p):\n"
+            "        if self._packed is not None:\n            pass\n"
+            "    def forward(self, x):\n"
+            "        y = 1 if self._on_gpu() else 2\n"
+            "        if x.dtype == 'float32':\n            pass\n"
+            "        while backend_of(x):\n            pass\n"
+            "        z = x.replace('a', 'b') if x.inplace else x\n"
+            "        if x.dtype != 'float32':\n            raise TypeError(x)\n"
+            "        return np.from_dlpack(x)\n"
+        ),
+        "models/__init__.py": "",
+        "models/m.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastdeploy_ext.engine import e\n",
+        "engine/__init__.py": "",
+        "engine/e.py": "",
+    }
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    root = str(pkg)
+    found = backend_branches(root)
+    assert [re.sub(r"^.*?:(\d+) ", r"\1 ", f).split(":")[0] for f in found] == \
+        ["10 forward", "11 forward", "13 forward", "18 forward"], found
+    assert layering_violations(root) == [
+        "fastdeploy_ext/ops/k.py:1 imports fastdeploy_ext.layers.attn (ops sits below layers)"]
+    assert import_cycles(root) == [["fastdeploy_ext.config.base", "fastdeploy_ext.quantization.methods"]]
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick report
+    r = package_dir()
+    print("\n".join(backend_branches(r) + layering_violations(r)))
+    print(import_cycles(r))
+    pytest.main([__file__])

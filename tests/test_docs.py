@@ -229,3 +229,19 @@ def test_the_rules_catch_what_they_should(tmp_path):
     assert [b.no_run for b in blocks] == [None, "output of the above", None]
     assert not runnable(blocks[0]) and not runnable(blocks[2])
     assert indented_code_blocks(str(doc)) == [19]
+
+
+# Repository paths as the docs write them: from the root, or inside the package (`ops/host/moe.py`).
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:fastdeploy_ext|tests|docs|benchmarks|specs|ops|layers|models|engine|entrypoints|"
+                       r"quantization|config|tiny)/[\w./-]*\w)")
+ISSUE = re.compile(r"\b[Ii]ssue #?\d+\b|\b[Ii]ssues #\d+")
+
+
+@pytest.mark.parametrize("path", DOCS)
+def test_docs_cite_only_what_the_repository_holds(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        text = f.read()
+    missing = sorted({p for p in REPO_PATH.findall(text)
+                      if not any(os.path.exists(os.path.join(ROOT, base, p)) for base in ("", "fastdeploy_ext"))})
+    assert not missing, f"{path} cites paths the repository does not hold: {missing}"
+    assert not ISSUE.findall(text), f"{path} cites issue numbers, which are not in the repository"

@@ -36,6 +36,7 @@ setup(
             "matplotlib",
             "openai",
             "httpx",
+            "schemathesis==4.32.5",
         ],
     },
     entry_points={"console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"]},

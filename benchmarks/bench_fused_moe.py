@@ -1,6 +1,6 @@
 """Fused MoE on one GPU at MiniMax-M1's per-rank shapes (tp=8): our Triton kernel beside torch's grouped GEMM.
 
-    python benchmarks/bench_fused_moe.py [--tokens 1 8 64 256 2048 16384] [--sweep] [--json OUT.json]
+    python benchmarks/bench_fused_moe.py [--tokens 1 8 64 256 2048 16384] [--sweep [bf16] [int8]] [--json OUT.json]
 
 hidden 6144, intermediate 9216 / 8 = 1152, 32 experts, top-2; bf16 activations. Per token count, the median of
 CUDA-graph replays (each replay runs ``--rotate`` routings in turn, so that consecutive calls hit different
@@ -18,6 +18,7 @@ Every timed output is checked against ``gmm`` (a broken configuration fails loud
 """
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -136,10 +137,14 @@ def candidates(tokens):
     return up, down
 
 
-def sweep(run, check, tokens, log):
-    """Coordinate descent: the best up config with the default down, then the best down with it."""
-    base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER)
+def sweep(run, check, tokens, int8, log):
+    """Coordinate descent: the best up config with the default down, then the best down with it (int8: each
+    candidate also with its codes read as words)."""
+    base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8)
     ups, downs = candidates(tokens)
+    if int8:
+        ups += [dataclasses.replace(c, int8_words=True) for c in ups]
+        downs += [dataclasses.replace(c, int8_words=True) for c in downs]
     best, best_us = base, None
 
     def trial(cfg):
@@ -167,7 +172,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 16384])
     parser.add_argument("--rotate", type=int, default=8)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="*", choices=["bf16", "int8"], default=None,
+                        help="sweep launch configurations first (for the dtypes named; none named: both)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -216,9 +222,9 @@ def main():
                                   rotate) if tokens <= 2048 else float("nan")
         for name, int8 in (("bf16", False), ("int8", True)):
             cfg = None
-            if args.sweep:
-                cfg = sweep(lambda c: graph_us(fused(c, int8), rotate), lambda c: check(c, int8), tokens, log)
-            row[f"{name}_config"] = repr(cfg or default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER))
+            if args.sweep is not None and (not args.sweep or name in args.sweep):
+                cfg = sweep(lambda c: graph_us(fused(c, int8), rotate), lambda c: check(c, int8), tokens, int8, log)
+            row[f"{name}_config"] = repr(cfg or default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8))
             row[f"{name}_err"] = check(cfg, int8)
             assert row[f"{name}_err"] <= CHECK_TOL, (tokens, name, row[f"{name}_err"])
             row[f"{name}_us"] = graph_us(fused(cfg, int8), rotate)

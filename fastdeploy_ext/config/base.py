@@ -7,6 +7,7 @@ model's ``config_class.from_hf_config``; nothing here reads environment variable
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +20,9 @@ class ConfigError(ValueError):
 _MISSING = object()
 
 
-def get_key(cfg: dict, key: str, where: str, default: Any = _MISSING, types: tuple = ()):
-    """Read ``cfg[key]``; without a default a missing key is an error naming it and the file."""
+def get_key(cfg: dict, key: str, where: str, default: Any = _MISSING, types: tuple = (), ge=None, gt=None):
+    """Read ``cfg[key]``; without a default a missing key is an error naming it and the file. ``ge``/``gt``
+    bound a number (NaN and inf are refused then), so a zero or negative size never reaches a layer."""
     if key not in cfg or cfg[key] is None:
         if default is _MISSING:
             raise ConfigError(f"{where}: required key '{key}' is missing")
@@ -28,7 +30,19 @@ def get_key(cfg: dict, key: str, where: str, default: Any = _MISSING, types: tup
     value = cfg[key]
     if types and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
         raise ConfigError(f"{where}: key '{key}' must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
+    check_range(value, f"{where}: key '{key}'", ge=ge, gt=gt)
     return value
+
+
+def check_range(value, what: str, ge=None, gt=None) -> None:
+    if ge is None and gt is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number, got {value!r}")
+    if ge is not None and not value >= ge:
+        raise ConfigError(f"{what} must be >= {ge}, got {value!r}")
+    if gt is not None and not value > gt:
+        raise ConfigError(f"{what} must be > {gt}, got {value!r}")
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -102,7 +102,7 @@ class DashengConfig:
             if value < 1:
                 raise ConfigError(f"{where}: key '{key}' must be >= 1, got {value}")
         head_dim = divide(embed_dim, num_heads, f"{where}: embed_dim / num_heads")
-        mlp_ratio = float(get_key(cfg, "mlp_ratio", where, default=4.0, types=(int, float)))
+        mlp_ratio = float(get_key(cfg, "mlp_ratio", where, default=4.0, types=(int, float), gt=0))
         mlp_hidden_dim = int(embed_dim * mlp_ratio)
         if mlp_hidden_dim < 1:
             raise ConfigError(f"{where}: mlp_ratio {mlp_ratio} gives an empty MLP for embed_dim {embed_dim}")
@@ -197,7 +197,7 @@ class MiDashengLMConfig:
             get_key(cfg, "audio_encoder_config", where, types=(dict,)), f"{where}: audio_encoder_config"
         )
         text_config = get_key(cfg, "text_config", where, types=(dict,))
-        text_hidden_size = get_key(text_config, "hidden_size", f"{where}: text_config", types=(int,))
+        text_hidden_size = get_key(text_config, "hidden_size", f"{where}: text_config", types=(int,), ge=1)
         subsample_factor = get_key(cfg, "subsample_factor", where, default=5, types=(int,))
         if subsample_factor < 1:
             raise ConfigError(f"{where}: key 'subsample_factor' must be >= 1, got {subsample_factor}")

@@ -83,11 +83,11 @@ class MiniMaxM1Config:
     @classmethod
     def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "MiniMaxM1Config":
         """Parse either checkpoint format; errors name the offending key and ``where``."""
-        num_layers = get_key(cfg, "num_hidden_layers", where, types=(int,))
-        heads = get_key(cfg, "num_attention_heads", where, types=(int,))
-        kv_heads = get_key(cfg, "num_key_value_heads", where, types=(int,))
+        num_layers = get_key(cfg, "num_hidden_layers", where, types=(int,), ge=1)
+        heads = get_key(cfg, "num_attention_heads", where, types=(int,), ge=1)
+        kv_heads = get_key(cfg, "num_key_value_heads", where, types=(int,), ge=1)
         # Never derived: M1's hidden/heads = 96 but head_dim is 128 (H*D != hidden).
-        head_dim = get_key(cfg, "head_dim", where, types=(int,))
+        head_dim = get_key(cfg, "head_dim", where, types=(int,), ge=1)
         divide(heads, kv_heads, f"{where}: num_attention_heads / num_key_value_heads")
         layer_types = _layer_types(cfg, num_layers, where)
         if num_layers < 2 and LINEAR in layer_types:
@@ -119,7 +119,7 @@ class MiniMaxM1Config:
                 raise ConfigError(f"{where}: postnorm=false in an HF-native (layer_types) config: that format is "
                                   "always post-norm; remove the key")
             postnorm = True
-        experts = get_key(cfg, "num_local_experts", where, types=(int,))
+        experts = get_key(cfg, "num_local_experts", where, types=(int,), ge=1)
         top_k = get_key(cfg, "num_experts_per_tok", where, types=(int,))
         if not 1 <= top_k <= experts:
             raise ConfigError(f"{where}: num_experts_per_tok={top_k} must be in [1, num_local_experts={experts}]")
@@ -132,9 +132,9 @@ class MiniMaxM1Config:
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             architectures=list(get_key(cfg, "architectures", where, types=(list,))),
-            vocab_size=get_key(cfg, "vocab_size", where, types=(int,)),
-            hidden_size=get_key(cfg, "hidden_size", where, types=(int,)),
-            intermediate_size=get_key(cfg, "intermediate_size", where, types=(int,)),
+            vocab_size=get_key(cfg, "vocab_size", where, types=(int,), ge=1),
+            hidden_size=get_key(cfg, "hidden_size", where, types=(int,), ge=1),
+            intermediate_size=get_key(cfg, "intermediate_size", where, types=(int,), ge=1),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -144,11 +144,11 @@ class MiniMaxM1Config:
             layer_types=layer_types,
             num_local_experts=experts,
             num_experts_per_tok=top_k,
-            rms_norm_eps=float(get_key(cfg, "rms_norm_eps", where, types=(int, float))),
-            max_position_embeddings=get_key(cfg, "max_position_embeddings", where, types=(int,)),
+            rms_norm_eps=float(get_key(cfg, "rms_norm_eps", where, types=(int, float), gt=0)),
+            max_position_embeddings=get_key(cfg, "max_position_embeddings", where, types=(int,), ge=2),
             postnorm=postnorm,
             block_size=_block_size(cfg, where),
-            lightning_norm_eps=float(get_key(cfg, "lightning_norm_eps", where, default=1e-6, types=(int, float))),
+            lightning_norm_eps=float(get_key(cfg, "lightning_norm_eps", where, default=1e-6, types=(int, float), gt=0)),
             tie_word_embeddings=False,
             hidden_act=act,
             eos_token_id=eos,

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastdeploy_ext.config.base import ConfigError, divide, get_key
+from fastdeploy_ext.config.base import ConfigError, check_range, divide, get_key
 
 
 def rope_theta_of(cfg: dict, where: str, default=None) -> float:
     """``rope_theta`` at top level (transformers 4.x) or in ``rope_parameters`` (5.x)."""
     params = cfg.get("rope_parameters") or {}
     if "rope_theta" in params:
+        check_range(params["rope_theta"], f"{where}: key 'rope_parameters.rope_theta'", gt=0)
         return float(params["rope_theta"])
     if cfg.get("rope_theta") is not None:
+        check_range(cfg["rope_theta"], f"{where}: key 'rope_theta'", gt=0)
         return float(cfg["rope_theta"])
     if default is None:
         raise ConfigError(f"{where}: 'rope_theta' (or rope_parameters.rope_theta) is missing")
@@ -42,11 +44,11 @@ class Qwen2Config:
     def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "Qwen2Config":
         """Parse an HF ``Qwen2Config`` dict. Optional keys take HF ``Qwen2Config``'s own defaults,
         which define the format; keys that change the math and are not implemented are refused."""
-        heads = get_key(cfg, "num_attention_heads", where, types=(int,))
-        hidden = get_key(cfg, "hidden_size", where, types=(int,))
-        kv_heads = get_key(cfg, "num_key_value_heads", where, default=heads, types=(int,))
+        heads = get_key(cfg, "num_attention_heads", where, types=(int,), ge=1)
+        hidden = get_key(cfg, "hidden_size", where, types=(int,), ge=1)
+        kv_heads = get_key(cfg, "num_key_value_heads", where, default=heads, types=(int,), ge=1)
         if cfg.get("head_dim") is not None:
-            head_dim = get_key(cfg, "head_dim", where, types=(int,))
+            head_dim = get_key(cfg, "head_dim", where, types=(int,), ge=1)
         else:
             head_dim = divide(hidden, heads, f"{where}: hidden_size / num_attention_heads (head_dim absent)")
         divide(heads, kv_heads, f"{where}: num_attention_heads / num_key_value_heads")
@@ -65,16 +67,16 @@ class Qwen2Config:
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             architectures=list(get_key(cfg, "architectures", where, default=["Qwen2ForCausalLM"], types=(list,))),
-            vocab_size=get_key(cfg, "vocab_size", where, types=(int,)),
+            vocab_size=get_key(cfg, "vocab_size", where, types=(int,), ge=1),
             hidden_size=hidden,
-            intermediate_size=get_key(cfg, "intermediate_size", where, types=(int,)),
-            num_hidden_layers=get_key(cfg, "num_hidden_layers", where, types=(int,)),
+            intermediate_size=get_key(cfg, "intermediate_size", where, types=(int,), ge=1),
+            num_hidden_layers=get_key(cfg, "num_hidden_layers", where, types=(int,), ge=1),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(get_key(cfg, "rms_norm_eps", where, default=1e-6, types=(int, float))),
+            rms_norm_eps=float(get_key(cfg, "rms_norm_eps", where, default=1e-6, types=(int, float), gt=0)),
             rope_theta=rope_theta_of(cfg, where, default=10000.0),
-            max_position_embeddings=get_key(cfg, "max_position_embeddings", where, default=32768, types=(int,)),
+            max_position_embeddings=get_key(cfg, "max_position_embeddings", where, default=32768, types=(int,), ge=2),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             hidden_act=act,
             eos_token_id=eos,

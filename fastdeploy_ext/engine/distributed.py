@@ -7,33 +7,36 @@ on the same batch (collectives inside the layers: gloo on CPU, NCCL on GPU).
 Two ways to start the ranks:
 
 - ``LLM(tensor_parallel_size=N)``: the driver starts ``N`` worker processes itself
-  (``python -m fastdeploy_ext.engine.distributed``), talks to them over local sockets, and stops
-  them on ``shutdown()``, at interpreter exit, or when one of them dies (``RankFailure`` naming it).
+  (``python -m fastdeploy_ext.engine.rank_worker``, in a network namespace of their own where possible),
+  talks to them over an authenticated Unix socket, and stops them on ``shutdown()``, at interpreter exit,
+  or when one of them dies or stops beating (``RankFailure`` naming it).
 - ``python -m paddle.distributed.launch --nproc_per_node N script.py`` (``--ips`` for several nodes):
   every process runs the script; rank 0 becomes the driver and its own rank-0 runner and broadcasts
   each step to the others with ``broadcast_object_list``; the other ranks serve steps inside
   ``LLM(...)`` and exit when rank 0 shuts down. (Multi-node and NCCL are written to Paddle's
-  documented API and unverified here: no machine has several nodes or Paddle on a GPU.)
+  documented API and unverified here: no machine has several nodes or Paddle on a GPU.) Here Paddle's
+  own rendezvous and its TCPStore on 0.0.0.0 are used as the launcher sets them up.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import logging
 import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import asdict
-from multiprocessing.connection import Client, Listener, wait
+from multiprocessing.connection import wait
 
+from fastdeploy_ext.engine import rank_channel
 from fastdeploy_ext.engine.errors import RankFailure
 
 logger = logging.getLogger("fastdeploy_ext")
@@ -99,76 +102,93 @@ def serve_rank(recv, send, fd_config, model) -> None:
 
 
 class DistributedRunner:
-    """Driver-side stand-in for ``ModelRunner`` that fans each step out to worker processes."""
+    """Driver-side stand-in for ``ModelRunner`` that fans each step out to worker processes.
+
+    The ranks run under one rank-group process, in a network namespace of their own where one can be made,
+    and talk to the driver over an authenticated Unix socket in a private run directory (rank_channel.py).
+    ``failure`` is None while every rank is alive and beating."""
 
     def __init__(self, args, num_kv_blocks: int, num_state_slots: int, backend: str = "gloo"):
         self.world = args.tensor_parallel_size
-        self.log_dir = tempfile.mkdtemp(prefix="fdext_tp_logs_")
-        authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        endpoints = [f"127.0.0.1:{p}" for p in _free_ports(self.world)]
-        self._procs, self._logs = [], []
-        spec = json.dumps(asdict(args))
-        host, port = self._listener.address
-        for rank in range(self.world):
-            env = dict(os.environ, FDEXT_SPAWNED_RANK="1", **rank_env(rank, self.world, endpoints, backend))
-            log = open(os.path.join(self.log_dir, f"workerlog.{rank}"), "w")
-            self._logs.append(log)
-            cmd = [sys.executable, "-m", "fastdeploy_ext.engine.distributed", "--rank", str(rank),
-                   "--driver", f"{host}:{port}", "--authkey", authkey.hex(), "--engine-args", spec]
-            self._procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self.heartbeat_timeout_s = float(args.rank_heartbeat_timeout_s)
+        self.log_dir = tempfile.mkdtemp(prefix="fdext_tp_")  # 0700: other users cannot reach the socket
+        authkey = self._authkey = secrets.token_bytes(32)
+        self._listener = rank_channel.open_control_socket(self.log_dir, authkey)
+        address = self._listener.address
+        prefix = rank_channel.namespace_prefix()
+        if not prefix:
+            logger.warning("no network namespace for the tensor-parallel ranks (unshare --net failed): Paddle's "
+                           "TCPStore on rank 0 listens on 0.0.0.0 (see docs/deployment.md, Security and limits)")
+        self.isolated = bool(prefix)
+        config = {"authkey": authkey.hex(), "address": address, "engine_args": asdict(args), "world": self.world,
+                  "endpoints": [f"127.0.0.1:{p}" for p in _free_ports(self.world)], "backend": backend,
+                  "log_dir": self.log_dir}
+        cmd = [*prefix, sys.executable, "-m", "fastdeploy_ext.engine.rank_worker", "--group",
+               *(["--isolated"] if prefix else [])]
+        self._group_log = open(os.path.join(self.log_dir, "group.log"), "w")
+        self._group = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._group_log, stderr=subprocess.STDOUT)
+        self._group.stdin.write((json.dumps(config) + "\n").encode())
+        self._group.stdin.close()
         self._conns = [None] * self.world
+        self._beats: dict[int, object] = {}
+        self.rank_pids: dict[int, int] = {}
+        self._monitor = None
         self._closed = False
         atexit.register(self.shutdown)
         try:
             self._accept_all()
+            self._monitor = rank_channel.HeartbeatMonitor(self._beats, self.rank_pids, self.heartbeat_timeout_s)
             self._gather("startup", timeout=STARTUP_TIMEOUT_S)
             self._broadcast(("init", (num_kv_blocks, num_state_slots)))
             self._gather("cache allocation", timeout=STARTUP_TIMEOUT_S)
+            self._monitor.arm()
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
 
-    def _dead_rank(self):
-        for rank, p in enumerate(self._procs):
-            code = p.poll()
-            if code is not None:
-                return rank, code
-        return None
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot serve (a rank exited, or is silent past ``rank_heartbeat_timeout_s``)."""
+        return self._monitor.failure if self._monitor is not None else None
+
+    def _log_of(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"workerlog.{rank}")
 
     def _fail(self, what: str, rank: int, detail: str):
-        self.shutdown()
-        raise RankFailure(
-            f"tensor-parallel rank {rank} failed during {what}: {detail} (log: {os.path.join(self.log_dir, f'workerlog.{rank}')})"
-        )
+        self.shutdown(graceful=False)
+        raise RankFailure(f"tensor-parallel rank {rank} failed during {what}: {detail} (log: {self._log_of(rank)})")
+
+    def _fail_monitor(self, what: str):
+        message, rank = self.failure, self._monitor.failed_rank
+        self.shutdown(graceful=False)
+        raise RankFailure(f"{message}; during {what} (log: {self._log_of(rank)})")
 
     def _accept_all(self):
         accepted = {}
-
-        def accept():
-            for _ in range(self.world):
-                try:
-                    conn = self._listener.accept()
-                except OSError:
-                    return
-                rank = conn.recv()
-                accepted[rank] = conn
-
-        t = threading.Thread(target=accept, daemon=True)
+        t = threading.Thread(target=rank_channel.accept_peers, args=(self._listener, 2 * self.world, accepted),
+                             daemon=True)
         t.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(accepted) < self.world:
-            dead = self._dead_rank()
-            if dead is not None:
-                self._fail("startup", dead[0], f"exited with code {dead[1]} before connecting")
+        while len(accepted) < 2 * self.world:
+            code = self._group.poll()
+            missing = sorted(set(range(self.world)) - {r for k, r in accepted if k == "control"})
+            if code is not None:
+                self._fail("startup", missing[0] if missing else 0, f"exited with code {code} before connecting")
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world)) - set(accepted))
-                self._fail("startup", missing[0], f"did not connect within {STARTUP_TIMEOUT_S:.0f} s")
+                self._fail("startup", missing[0] if missing else 0, f"did not connect within {STARTUP_TIMEOUT_S:.0f} s")
             t.join(timeout=0.2)
-        for rank, conn in accepted.items():
-            self._conns[rank] = conn
+        # Every rank is in: nothing else may connect (closing also removes the socket file).
+        self._listener.close()
+        for (kind, rank), (conn, pid) in accepted.items():
+            self.rank_pids[rank] = pid
+            if kind == "control":
+                self._conns[rank] = conn
+            else:
+                self._beats[rank] = conn
 
     def _broadcast(self, msg):
+        if self.failure is not None:
+            self._fail_monitor(msg[0])
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(msg)
@@ -176,7 +196,7 @@ class DistributedRunner:
                 self._fail(msg[0], rank, "connection lost")
 
     def _gather(self, what: str, timeout: float = STEP_TIMEOUT_S):
-        """Wait for every rank's reply; a rank that exits or reports an error fails the engine."""
+        """Wait for every rank's reply; a rank that exits, reports an error or stops beating fails the engine."""
         replies = {}
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
         deadline = time.monotonic() + timeout
@@ -186,22 +206,17 @@ class DistributedRunner:
                 try:
                     status, payload = conn.recv()
                 except (EOFError, OSError):
-                    code = self._procs[rank].wait(timeout=5)
-                    self._fail(what, rank, f"exited with code {code}")
+                    self._fail(what, rank, "its connection closed (the process exited or was killed)")
                 if status != "ok":
                     # A peer that died mid-collective makes the survivors fail with a transport error;
                     # name the dead rank, which is the cause.
-                    deadline_dead = time.monotonic() + 2.0
-                    while time.monotonic() < deadline_dead:
-                        for other, p in enumerate(self._procs):
-                            if other != rank and p.poll() is not None:
-                                self._fail(what, other, f"exited with code {p.returncode} (rank {rank} then reported: {payload})")
-                        time.sleep(0.05)
+                    time.sleep(min(2.0, self.heartbeat_timeout_s))
+                    if self.failure is not None:
+                        self._fail_monitor(f"{what} (rank {rank} then reported: {payload})")
                     self._fail(what, rank, payload)
                 replies[rank] = payload
-            dead = self._dead_rank()
-            if dead is not None and dead[0] in pending.values():
-                self._fail(what, dead[0], f"exited with code {dead[1]}")
+            if self.failure is not None:
+                self._fail_monitor(what)
             if time.monotonic() > deadline:
                 self._fail(what, sorted(pending.values())[0], f"no reply within {timeout:.0f} s")
         return replies
@@ -221,29 +236,52 @@ class DistributedRunner:
         self._broadcast(("fork", (list(src_blocks), list(dst_blocks), src_slot, dst_slot)))
         self._gather("fork")
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the ranks; after a clean exit of every rank the run directory (logs, socket) is removed,
+        after a failure it stays for the logs the error names."""
         if self._closed:
             return
         self._closed = True
-        for conn in self._conns:
-            if conn is not None:
-                try:
-                    conn.send(("shutdown", None))
-                except (OSError, EOFError):
-                    pass
-        deadline = time.monotonic() + 10
-        for p in self._procs:
+        if self._monitor is not None:
+            self._monitor.stop()
+        if graceful:
+            for conn in self._conns:
+                if conn is not None:
+                    try:
+                        conn.send(("shutdown", None))
+                    except (OSError, EOFError):
+                        pass
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                self._group.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for conn in self._conns:
+                pass
+        for pid in self.rank_pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._group.poll() is None:
+            self._group.kill()
+        code = self._group.wait()
+        # The ranks are the group's children: wait (briefly) until the kernel has them gone.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(_gone(pid) for pid in self.rank_pids.values()):
+            time.sleep(0.05)
+        for conn in [*self._conns, *self._beats.values()]:
             if conn is not None:
                 conn.close()
         self._listener.close()
-        for log in self._logs:
-            log.close()
+        self._group_log.close()
+        if graceful and code == 0 and self.failure is None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def launched_world_size() -> int:
@@ -297,45 +335,3 @@ class LaunchedRunner:
 def serve_launched_rank(fd_config, model) -> None:
     """Ranks 1..N-1 under ``paddle.distributed.launch``: follow rank 0's broadcasts until shutdown."""
     serve_rank(_bcast, None, fd_config, model)
-
-
-def _worker_main(argv=None) -> int:
-    from fastdeploy_ext.quiet import silence_paddle, without_flags_banner
-
-    silence_paddle()
-    ap = argparse.ArgumentParser(description="fastdeploy_ext tensor-parallel rank (started by the driver)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--driver", required=True, help="host:port of the driver")
-    ap.add_argument("--authkey", required=True)
-    ap.add_argument("--engine-args", required=True, help="EngineArgs as JSON")
-    a = ap.parse_args(argv)
-    host, port = a.driver.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(a.authkey))
-    conn.send(a.rank)
-    try:
-        import paddle.distributed as dist
-
-        from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model, set_device
-
-        args = EngineArgs(**json.loads(a.engine_args))
-        set_device(args, local_rank=a.rank)
-        with without_flags_banner():
-            dist.init_parallel_env()
-        model_cls, fd_config = build_fd_config(args, rank=a.rank)
-        model = build_model(model_cls, fd_config)
-        conn.send(("ok", None))
-        serve_rank(conn.recv, conn.send, fd_config, model)
-        return 0
-    except BaseException as e:
-        traceback.print_exc()
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except (OSError, EOFError):
-            pass
-        return 1
-    finally:
-        conn.close()
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main())

@@ -24,6 +24,7 @@ from fastdeploy_ext.config.base import (
     load_hf_config,
     resolve_backend,
 )
+from fastdeploy_ext.engine import distributed
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
@@ -31,6 +32,7 @@ from fastdeploy_ext.engine.request import Request
 from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
+from fastdeploy_ext.engine.stop_strings import StopMatcher
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
@@ -63,6 +65,8 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     backend: str = "auto"  # "auto" | "host" | "device" (config/base.py resolve_backend)
+    # A tensor-parallel rank whose heartbeat is silent this long fails the engine (naming the rank).
+    rank_heartbeat_timeout_s: float = 30.0
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -170,15 +174,23 @@ def set_device(args: EngineArgs, local_rank: int = 0) -> str:
     return device
 
 
-def build_model(model_cls, fd_config, load: bool = True):
+def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool | None = None):
     """Construct the model; with ``load`` read this rank's weights, else build it under
-    ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only)."""
+    ``paddle.LazyGuard`` (no weight memory: shapes, specs and divisibility checks only).
+    ``check_checkpoint`` (default: ``load``) compares every tensor shape config.json implies with the
+    safetensors headers, before any parameter is allocated for sizes the checkpoint does not have."""
+    check = load if check_checkpoint is None else check_checkpoint
     with paddle.no_grad():
         if not load:
+            # Lazy: no weight memory, so the model's own shape and divisibility errors may come first.
             with paddle.LazyGuard():
                 model = model_cls(fd_config)
             _check_skip_entries(model, fd_config.quant_config)
+            if check:
+                check_checkpoint_shapes(fd_config.load_config.model_path)
             return model
+        if check:
+            check_checkpoint_shapes(fd_config.load_config.model_path)
         model = model_cls(fd_config)
         _check_skip_entries(model, fd_config.quant_config)
         model.eval()
@@ -186,6 +198,15 @@ def build_model(model_cls, fd_config, load: bool = True):
         logger.info("%s", describe_weight_bytes(model, fd_config.parallel_config.tensor_parallel_rank,
                                                 fd_config.quant_config.method))
         return model
+
+
+def check_checkpoint_shapes(model_dir: str) -> None:
+    from fastdeploy_ext.entrypoints.planner import config_tensor_shapes
+    from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating
+
+    expected = config_tensor_shapes(load_hf_config(model_dir))
+    if expected is not None:
+        check_shapes_before_allocating(model_dir, expected)
 
 
 def _check_skip_entries(model, quant_config) -> None:
@@ -208,8 +229,6 @@ def _check_skip_entries(model, quant_config) -> None:
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         from fastdeploy_ext.engine.tokenizer import Tokenizer
-
-        from fastdeploy_ext.engine import distributed
 
         args = EngineArgs(model=model, **kwargs)
         self.args = args
@@ -238,7 +257,11 @@ class LLMEngine:
 
         # A driver that starts its own ranks only schedules: its model copy is lazy (specs, the
         # processor, and the divisibility checks run here, before any rank process starts).
-        self.model = build_model(model_cls, self.fd_config, load=tp == 1 or launched > 1)
+        if self.tokenizer.vocab_size > model_config.vocab_size:
+            raise ConfigError(f"the tokenizer ({args.tokenizer or model}) has {self.tokenizer.vocab_size} ids but the "
+                              f"model's vocab_size is {model_config.vocab_size}: ids past it would index outside the "
+                              "embedding")
+        self.model = build_model(model_cls, self.fd_config, load=tp == 1 or launched > 1, check_checkpoint=True)
         if launched > 1 and rank != 0:
             distributed.serve_launched_rank(self.fd_config, self.model)
             raise SystemExit(0)
@@ -474,17 +497,16 @@ class LLMEngine:
             return self._finish(req, "length")
 
     def _check_stop_strings(self, req: Request, checked: int) -> bool:
-        """Cut the text at the first stop string; ``checked`` chars were already searched (a match can
-        still end in the new text, so the search starts a stop string's length before it)."""
+        """Cut the text at the first stop string completed by the text after ``checked`` (the request's
+        matcher has seen everything before it, so the work per token does not grow with the output)."""
         text = req.output_text
-        tail_start = max(0, checked - max(len(s) for s in req.params.stop) + 1)
-        best = None
-        for s in req.params.stop:
-            pos = text.find(s, tail_start)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
+        matcher = getattr(req, "stop_matcher", None)
+        if matcher is None or matcher.fed != checked:
+            matcher = req.stop_matcher = StopMatcher(req.params.stop)
+            matcher.feed(text[:checked])
+        found = matcher.feed(text[checked:])
+        if not found:
             return False
-        pos, s = best
+        pos, s = min(found)
         req.output_text = text[: pos + len(s)] if req.params.include_stop_str_in_output else text[:pos]
         return True

@@ -21,7 +21,8 @@ class LLM:
     max_num_batched_tokens, enable_chunked_prefill, block_size, num_kv_blocks`` (overrides the KV pool
     size), ``dtype, quantization, seed, device, num_threads`` (Paddle CPU threads; default: the cores
     divided among the tensor-parallel ranks), ``backend`` (``"auto"``: the host backend for CPU float32,
-    the device backend otherwise; docs/architecture.md "Backends"). ``quantization``: ``"wint8"``, ``"wint4"``, a dict
+    the device backend otherwise; docs/architecture.md "Backends"), ``rank_heartbeat_timeout_s`` (a rank silent
+    this long fails the engine, 30 s by default). ``quantization``: ``"wint8"``, ``"wint4"``, a dict
     ``{"method", "group_size", "skip_modules"}`` or a ``QuantConfig`` (docs/quantization.md); pre-quantized
     checkpoints are recognised from config.json.
     """
@@ -30,13 +31,14 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
                  dtype: str = "auto", quantization=None, seed: int = 0, device: str = "auto",
-                 num_threads: int | None = None, backend: str = "auto"):
+                 num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0):
         self.llm_engine = LLMEngine(
             model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, block_size=block_size, num_kv_blocks=num_kv_blocks,
             dtype=dtype, quantization=quantization, seed=seed, device=device, num_threads=num_threads,
             backend=backend,
+            rank_heartbeat_timeout_s=rank_heartbeat_timeout_s,
         )
         self.tokenizer = self.llm_engine.tokenizer
         self._next_id = 0

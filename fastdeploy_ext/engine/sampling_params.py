@@ -69,8 +69,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= self._MAX_LOGPROBS):
                 bad(name, f"must be an int in [0, {self._MAX_LOGPROBS}], got {v!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an int, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", f"must be an int >= 0, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -13,14 +13,12 @@ character instead of the whole output.
 import json
 import logging
 import os
-from datetime import datetime
 from functools import lru_cache
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from fastdeploy_ext.entrypoints.template_sandbox import compile_template, render
 
 logger = logging.getLogger("fastdeploy_ext")
 
@@ -105,29 +103,10 @@ def _read_chat_template_files(path: str) -> str | dict[str, str] | None:
     return templates["default"] if list(templates) == ["default"] else templates
 
 
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Jinja's own tojson HTML-escapes '<' and '&', which would corrupt tool schemas in prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
 @lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    # Same environment as transformers: chat templates come from model repos and are untrusted code.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+def _compile_chat_template(source: str):
+    # Chat templates come from model repos and are untrusted code: transformers' sandbox plus growth caps.
+    return compile_template(source)
 
 
 class Tokenizer:
@@ -318,6 +297,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         chat_template: str | None = None,
+        max_chars: int | None = None,
         **template_kwargs,
     ) -> str | list[int]:
         """Render ``messages`` with the chat template, as transformers' ``apply_chat_template`` does.
@@ -329,19 +309,24 @@ class Tokenizer:
             add_generation_prompt: append the header that starts the assistant's turn.
             tokenize: return ids (encoded without adding special tokens, the template has them).
             chat_template: a template source, or the name of one of the folder's named templates.
+            max_chars: refuse (``TemplateLimitError``) a rendering longer than this many characters.
             **template_kwargs: extra template variables (``tools``, ``documents``,
                 ``enable_thinking``...); they override the special-token variables.
 
         Returns:
             The rendered prompt, or its token ids when ``tokenize``.
         """
+        source, context = self.chat_template_context(messages, add_generation_prompt, chat_template, **template_kwargs)
+        text = render(_compile_chat_template(source), context, max_chars)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def chat_template_context(self, messages: list[dict], add_generation_prompt: bool = True,
+                              chat_template: str | None = None, **template_kwargs) -> tuple[str, dict]:
+        """``(template source, render context)`` that :meth:`apply_chat_template` renders."""
         source = self._resolve_chat_template(chat_template, template_kwargs.get("tools"))
         variables = {**self._named_tokens, "tools": None, "documents": None, **template_kwargs}
         messages = [{k: v for k, v in message.items() if v is not None} for message in messages]
-        text = _compile_chat_template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
-        )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        return source, {"messages": messages, "add_generation_prompt": add_generation_prompt, **variables}
 
     def _resolve_chat_template(self, chat_template: str | None, tools) -> str:
         if isinstance(self.chat_template, dict):

@@ -269,23 +269,24 @@ def _cmd_serve(args) -> int:
     cfg = _deploy_config(args)
     sock = _listen(cfg.host, cfg.port)
     try:
+        from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits
         from fastdeploy_ext.entrypoints.planner import plan
 
+        api_key = resolve_api_key(cfg)
         _ensure_model(cfg)
         result = plan(cfg)
         if not result.fits:
             print(result.table(), file=sys.stderr)
             raise UsageError(f"{cfg.source}: this deployment does not fit: {result.reason}")
         from fastdeploy_ext.engine.engine import LLMEngine
-        from fastdeploy_ext.entrypoints.deploy_config import engine_args
         from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server, startup_summary
 
         engine = LLMEngine(cfg.model, **engine_args(cfg))
         server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
-                              api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path,
-                              stats_interval=cfg.stats_interval)
+                              api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,
+                              limits=server_limits(cfg), stats_interval=cfg.stats_interval)
         host, port = sock.getsockname()[:2]
-        for line in startup_summary(engine, cfg, f"http://{host}:{port}/v1"):
+        for line in startup_summary(engine, cfg, f"http://{host}:{port}/v1", api_key is not None):
             logging.getLogger("fastdeploy_ext.server").info("%s", line)
         run_server(server, sock, log_level=args.log_level)
     finally:

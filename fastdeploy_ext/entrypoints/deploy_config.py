@@ -82,8 +82,18 @@ class DeployConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    api_key_file: str | None = None
     allowed_local_media_path: str | None = None
     max_pending_requests: int = 256
+    trust_request_chat_template: bool = False
+    template_timeout_s: float = 5.0
+    max_audio_seconds: float = 300.0
+    max_request_bytes: int | None = None
+    max_prompt_chars: int | None = None
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024
+    max_tokens_limit: int | None = None
+    rank_heartbeat_timeout_s: float = 30.0
     stats_interval: float = 10.0
     source: str = "<flags>"
 
@@ -118,6 +128,10 @@ def _quantization(v):
             return "mapping must be {method: wint8|wint4, group_size: int}"
         return None if isinstance(v.get("group_size", 0), int) else "group_size must be an int"
     return None if v in _QUANT else "must be null, 'wint8' or 'wint4' (or {method: wint4, group_size: N})"
+
+
+def _positive_float(v):
+    return None if v > 0 and v != float("inf") else "must be > 0"
 
 
 _SCHEMA = {
@@ -162,15 +176,36 @@ _SCHEMA = {
              "otherwise)."),
     "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port to listen on "
              "(0: any free port); checked before the model loads."),
-    "api_key": ((str, type(None)), None, "Require `Authorization: Bearer KEY` on /v1/*."),
+    "api_key": ((str, type(None)), None, "Require `Authorization: Bearer KEY` on /v1/*; the key is readable in "
+                "/proc, so prefer --api-key-file or $FASTDEPLOY_EXT_API_KEY."),
+    "api_key_file": ((str, type(None)), None, "File holding the bearer token that /v1/* requires."),
     "allowed_local_media_path": ((str, type(None)), None, "The only directory file:// audio URLs may point into."),
     "max_pending_requests": ((int,), _positive, "Unfinished sequences (prompts x n) accepted before new requests "
                              "get 429."),
+    "trust_request_chat_template": ((bool,), None, "Render chat templates that clients send (in a worker that is "
+                                    "killed after template_timeout_s); off: such requests get 400."),
+    "template_timeout_s": ((float, int), _positive_float, "Seconds a client's chat template may take to render."),
+    "max_audio_seconds": ((float, int), _positive_float, "Longest audio clip a content part may hold, in seconds."),
+    "max_request_bytes": ((int, type(None)), lambda v: None if v is None or v >= 1024 else "must be >= 1024",
+                          "Largest request body in bytes; default: the base64 of max_audio_seconds of 48 kHz stereo "
+                          "PCM16."),
+    "max_prompt_chars": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                         "Longest prompt in characters, checked before tokenizing; default: 32 x max_model_len."),
+    "max_stop_strings": ((int,), _positive, "Most stop strings one request may give."),
+    "max_stop_chars": ((int,), _positive, "Most characters all stop strings of one request may have together."),
+    "max_tokens_limit": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                         "Largest max_tokens a request may ask for (also the default of requests that give none); "
+                         "unset: max_model_len decides."),
+    "rank_heartbeat_timeout_s": ((float, int), lambda v: None if v >= 2 else "must be >= 2",
+                                 "Seconds a tensor-parallel rank may go silent before the engine fails."),
     "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
                        "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
 }
-# Fields only the server reads: `plan` does not offer them as flags.
-SERVER_FIELDS = ("host", "port", "api_key", "allowed_local_media_path", "max_pending_requests", "stats_interval")
+# Fields only a running server reads: `plan` does not offer them as flags.
+SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
+                 "trust_request_chat_template", "template_timeout_s", "max_audio_seconds", "max_request_bytes",
+                 "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
+                 "rank_heartbeat_timeout_s", "stats_interval")
 CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
 FIELDS = tuple(_SCHEMA)
 
@@ -202,7 +237,7 @@ def build_config(values: dict, where: str, base_dir: str | None = None) -> Deplo
     if "model" not in values or values["model"] is None:
         raise ConfigError(f"{where}: field 'model' is required")
     out = {name: _check_field(name, v, where) for name, v in values.items()}
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
         if out.get(key) and base_dir is not None:
             out[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(out[key])))
     if out.get("device_memory") is not None:
@@ -236,7 +271,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(values).__name__}")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
         if key in flags:
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
@@ -252,4 +287,37 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device=cfg.device, backend=cfg.backend)
+                device=cfg.device, backend=cfg.backend,
+                rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s))
+
+
+API_KEY_ENV = "FASTDEPLOY_EXT_API_KEY"
+
+
+def resolve_api_key(cfg: DeployConfig) -> str | None:
+    """``api_key``, else the first line of ``api_key_file``, else ``$FASTDEPLOY_EXT_API_KEY``: a key on the
+    command line is readable by every local user in /proc/<pid>/cmdline."""
+    if cfg.api_key is not None and cfg.api_key_file is not None:
+        raise ConfigError(f"{cfg.source}: give 'api_key' or 'api_key_file', not both")
+    if cfg.api_key is not None:
+        return cfg.api_key
+    if cfg.api_key_file is not None:
+        try:
+            with open(cfg.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"{cfg.source}: field 'api_key_file': cannot read {cfg.api_key_file}: {e}") from None
+        if not key:
+            raise ConfigError(f"{cfg.source}: field 'api_key_file': {cfg.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def server_limits(cfg: DeployConfig):
+    from fastdeploy_ext.entrypoints.limits import ServerLimits
+
+    return ServerLimits(max_audio_seconds=float(cfg.max_audio_seconds), max_request_bytes=cfg.max_request_bytes,
+                        max_prompt_chars=cfg.max_prompt_chars, max_stop_strings=cfg.max_stop_strings,
+                        max_stop_chars=cfg.max_stop_chars, max_tokens_limit=cfg.max_tokens_limit,
+                        trust_request_chat_template=cfg.trust_request_chat_template,
+                        template_timeout_s=float(cfg.template_timeout_s))

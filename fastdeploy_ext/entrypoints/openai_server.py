@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hmac
 import json
 import logging
 import os
@@ -31,12 +32,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from fastdeploy_ext.engine.errors import RankFailure
+from fastdeploy_ext.engine.stop_strings import StopMatcher
+from fastdeploy_ext.entrypoints.limits import RequestBodyGuard, ServerLimits
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
     sampling_params_of,
+)
+from fastdeploy_ext.entrypoints.template_sandbox import (
+    RESERVED_VARIABLES,
+    TemplateBusy,
+    TemplateLimitError,
+    TemplateTimeout,
+    TemplateWorkers,
+    undeclared_variables,
 )
 
 logger = logging.getLogger("fastdeploy_ext.server")
@@ -264,7 +275,7 @@ def stats_line(st: EngineStats, pending: int, prompt_rate: float, generation_rat
             f"generation {generation_rate:.1f} tokens/s")
 
 
-def startup_summary(engine, cfg, url: str) -> list[str]:
+def startup_summary(engine, cfg, url: str, api_key_required: bool) -> list[str]:
     """What a deployment runs with, for the first lines of the server log."""
     fd = engine.fd_config
     load, sched = fd.load_config, fd.scheduler_config
@@ -278,7 +289,7 @@ def startup_summary(engine, cfg, url: str) -> list[str]:
         f"limits: max_model_len {sched.max_model_len}, max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
         f"{sched.max_num_batched_tokens}, KV cache {blocks} blocks x {block_size} tokens{state}, "
         f"max_pending_requests {cfg.max_pending_requests}",
-        f"listening on {url}" + (" (API key required)" if cfg.api_key else ""),
+        f"listening on {url}" + (" (API key required)" if api_key_required else ""),
     ]
 
 
@@ -289,19 +300,8 @@ def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, update: Update) -> 
         pass
 
 
-def stop_safe_length(text: str, stops: list[str]) -> int:
-    """Length of the prefix of ``text`` that can be streamed: the longest suffix that is a proper
-    prefix of a stop string is held back until later text decides whether the stop string completes."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return len(text) - hold
-
-
-def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected: int) -> str:
+def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected: int,
+                    counters: dict | None = None) -> str:
     label = f'model_name="{model_name}"'
     lines = []
 
@@ -329,6 +329,8 @@ def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected:
                f'finish_reason="{reason}"')
     metric("fastdeploy_ext_requests_rejected_total", "counter", "Requests refused because the server was overloaded.",
            rejected)
+    for name, (help_, value) in (counters or {}).items():
+        metric(name, "counter", help_, value)
     return "\n".join(lines) + "\n"
 
 
@@ -337,8 +339,14 @@ class OpenAIServer:
 
     def __init__(self, engine, served_model_name: str, model_path: str, max_pending_requests: int = 256,
                  api_key: str | None = None, allowed_local_media_path: str | None = None,
-                 stats_interval: float = 0.0):
+                 limits: ServerLimits | None = None, stats_interval: float = 0.0):
         self.engine = engine
+        self.limits = (limits or ServerLimits()).resolved(engine.max_model_len)
+        self._templates = (TemplateWorkers(timeout_s=self.limits.template_timeout_s)
+                           if self.limits.trust_request_chat_template else None)
+        # Work done for requests, for /metrics (and for tests: a refused request must add nothing here).
+        self._counts = {"tokenized_chars": 0, "templates_rendered": 0, "audio_frames_decoded": 0}
+        self._counts_lock = threading.Lock()
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.model_path = model_path
@@ -350,12 +358,39 @@ class OpenAIServer:
 
     # ---- request → engine inputs
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[key] += n
+
+    def _encode(self, text: str, where: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize (never on the event loop), refusing text past ``max_prompt_chars`` first."""
+        limit = self.limits.max_prompt_chars
+        if len(text) > limit:
+            raise APIError(400, f"{where} has {len(text)} characters; the limit is max_prompt_chars={limit}",
+                           param=where)
+        self._count("tokenized_chars", len(text))
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _check_stops(self, stop) -> None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        lim = self.limits
+        if len(stops) > lim.max_stop_strings:
+            raise APIError(400, f"'stop' has {len(stops)} strings; the limit is {lim.max_stop_strings}", param="stop")
+        total = sum(len(s) for s in stops)
+        if total > lim.max_stop_chars:
+            raise APIError(400, f"'stop' strings have {total} characters together; the limit is {lim.max_stop_chars}",
+                           param="stop")
+
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(400, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model")
 
     def _validate(self, ids: list[int], params, where: str) -> None:
+        if len(ids) >= self.engine.max_model_len:  # before scanning a list that may hold millions of ids
+            raise APIError(400, f"{where} has {len(ids)} tokens; max_model_len is {self.engine.max_model_len} "
+                                "(prompt + at least one generated token)", param="messages" if where == "messages"
+                           else "prompt")
         try:
             self.engine.validate_prompt(ids, params, where=where)
         except ValueError as e:
@@ -385,8 +420,11 @@ class OpenAIServer:
             items = list(p)
         if not items:
             raise APIError(400, "'prompt' is empty", param="prompt")
-        return [(x, self.tokenizer.encode(x, add_special_tokens=True)) if isinstance(x, str) else (None, list(x))
-                for x in items]
+        total = sum(len(x) for x in items if isinstance(x, str))
+        if total > self.limits.max_prompt_chars:
+            raise APIError(400, f"'prompt' has {total} characters; the limit is max_prompt_chars="
+                                f"{self.limits.max_prompt_chars}", param="prompt")
+        return [(x, self._encode(x, "prompt", True)) if isinstance(x, str) else (None, list(x)) for x in items]
 
     def _audio_source(self, part, where: str):
         """Encoded bytes or a vetted local path for one audio part; decoding is the model processor's job."""
@@ -399,7 +437,10 @@ class OpenAIServer:
                 if self.media_root is None:
                     raise APIError(400, f"{where}: file:// audio needs the server's --allowed-local-media-path",
                                    param=where)
-                path = os.path.realpath(unquote(parsed.path))
+                raw = unquote(parsed.path)
+                if "\0" in raw:
+                    raise APIError(400, f"{where}: the file:// URL holds a NUL byte", param=where)
+                path = os.path.realpath(raw)
                 if os.path.commonpath([path, self.media_root]) != self.media_root:
                     raise APIError(400, f"{where}: {path} is outside the allowed media path", param=where)
                 if not os.path.isfile(path):
@@ -432,21 +473,75 @@ class OpenAIServer:
                     if processor is None:
                         raise APIError(400, f"{where}: the model '{self.model_name}' does not take audio input",
                                        param=where)
-                    audios.append(self._audio_source(part, where))
+                    audios.append(self._decode_audio(self._audio_source(part, where), where))
                 content = [part.model_dump() for part in content]
             messages.append(m.model_dump(exclude_none=True) | {"content": content})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      tokenize=False, **(req.chat_template_kwargs or {}))
-        except Exception as e:
-            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        text = self._render(req, messages)
+        ids = self._encode(text, "messages", False)
         if processor is None:
             return text, ids, None
         try:
             return processor(self.tokenizer, text, ids, {"audio": audios} if audios else None)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"audio input: {e}", param="messages") from None
+
+    def _decode_audio(self, source, where: str):
+        """16 kHz waveform of one audio part: refused by its header past max_audio_seconds or outside
+        8-192 kHz before any sample is decoded."""
+        from fastdeploy_ext.layers.audio.io import load_audio
+
+        try:
+            return load_audio(source, max_seconds=self.limits.max_audio_seconds,
+                              on_frames=lambda n: self._count("audio_frames_decoded", n))
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            raise APIError(400, f"{where}: {e}", param=where) from None
+        except MemoryError:
+            raise APIError(400, f"{where}: the audio is too large to decode", param=where) from None
+
+    def _render(self, req: ChatCompletionRequest, messages: list[dict]) -> str:
+        """The prompt text: the served template in-process, or a client template (top-level ``chat_template``
+        or ``chat_template_kwargs.chat_template``, only with --trust-request-chat-template) in a worker
+        process killed after template_timeout_s. Both render in the capped sandbox, bounded by
+        max_prompt_chars."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        client = [(name, value) for name, value in (("chat_template", req.chat_template),
+                                                    ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)))
+                  if value is not None]
+        if client and self._templates is None:
+            raise APIError(400, f"'{client[0][0]}': this server does not run client-supplied chat templates "
+                                "(start it with --trust-request-chat-template)", param=client[0][0])
+        if len(client) > 1:
+            raise APIError(400, "give 'chat_template' or 'chat_template_kwargs.chat_template', not both",
+                           param="chat_template")
+        field, template = client[0] if client else ("messages", None)
+        if template is not None and not isinstance(template, str):
+            raise APIError(400, f"'{field}' must be a string", param=field)
+        try:
+            source, context = self.tokenizer.chat_template_context(
+                messages, req.add_generation_prompt, template)
+            allowed = undeclared_variables(source) - RESERVED_VARIABLES
+        except Exception as e:
+            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise APIError(400, f"'chat_template_kwargs' key {unknown[0]!r} is not a variable of the chat template "
+                                f"(allowed: {sorted(allowed)})", param="chat_template_kwargs")
+        context.update(kwargs)
+        limit = self.limits.max_prompt_chars
+        self._count("templates_rendered")
+        try:
+            if template is None:
+                return self.tokenizer.apply_chat_template(
+                    messages, req.add_generation_prompt, tokenize=False, max_chars=limit, **kwargs)
+            return self._templates.render(source, context, limit)
+        except TemplateBusy as e:
+            raise APIError(429, str(e), "rate_limit_exceeded") from None
+        except TemplateTimeout as e:
+            raise APIError(400, str(e), param=field) from None
+        except (TemplateLimitError, MemoryError, RecursionError) as e:
+            raise APIError(400, f"chat template refused: {e}", param=field) from None
+        except Exception as e:
+            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
 
     # ---- engine outputs → OpenAI responses
 
@@ -497,7 +592,7 @@ class OpenAIServer:
     async def run(self, http_request, kind: str, body: bytes):
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
         if kind == "completion":
-            req = parse_request(CompletionRequest, body)
+            req = await asyncio.to_thread(parse_request, CompletionRequest, body)
             self._check_model(req.model)
             if req.echo:
                 raise APIError(400, "'echo' is not supported", param="echo")
@@ -505,22 +600,26 @@ class OpenAIServer:
                 raise APIError(400, "'suffix' is not supported", param="suffix")
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "'best_of' must equal 'n' (no server-side ranking)", param="best_of")
-            max_tokens = req.max_tokens if req.max_tokens is not None else 16
             k = req.logprobs
-            prompts = [(text, ids, None) for text, ids in self._completion_prompts(req)]
+            self._check_stops(req.stop)
+            max_tokens = self._cap_max_tokens(req.max_tokens, "max_tokens", default=16)
+            prompts = [(text, ids, None) for text, ids in await asyncio.to_thread(self._completion_prompts, req)]
             where = "prompt"
         else:
-            req = parse_request(ChatCompletionRequest, body)
+            req = await asyncio.to_thread(parse_request, ChatCompletionRequest, body)
             self._check_model(req.model)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             k = (req.top_logprobs or 0) if req.logprobs else None
+            self._check_stops(req.stop)
+            max_tokens = self._cap_max_tokens(
+                max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
             prompts = [await asyncio.to_thread(self._chat_prompt, req)]
             where = "messages"
         params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
         for text, ids, _ in prompts:
-            self._validate(ids, params, where)
+            await asyncio.to_thread(self._validate, ids, params, where)
 
         n = params.n
         num_choices = n * len(prompts)
@@ -552,6 +651,18 @@ class OpenAIServer:
         if errors:
             raise APIError(500, f"generation failed: {errors[0]}", "internal_server_error")
         return JSONResponse(self._full_response(rid, kind, k, state))
+
+    def _cap_max_tokens(self, max_tokens: int | None, field: str, default: int | None = None) -> int | None:
+        """``max_tokens`` checked against max_tokens_limit; unset, the request's default (OpenAI's 16 for
+        completions, none for chat) within that limit."""
+        cap = self.limits.max_tokens_limit
+        if max_tokens is None:
+            return default if cap is None else min(cap, default or cap)
+        if cap is None:
+            return max_tokens
+        if max_tokens > cap:
+            raise APIError(400, f"'{field}' is {max_tokens}; this server allows at most {cap}", param=field)
+        return max_tokens
 
     def _release(self, state: "_ChoiceState", sub_ids: list[str]) -> None:
         if not state.done:
@@ -630,8 +741,11 @@ class OpenAIServer:
                 yield
             finally:
                 self.loop.stop()
+                if self._templates is not None:
+                    self._templates.close()
 
         app = FastAPI(title="fastdeploy_ext OpenAI-compatible server", lifespan=lifespan)
+        _publish_request_schemas(app, self.model_name)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError):
@@ -646,32 +760,49 @@ class OpenAIServer:
             err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
             return JSONResponse(err.body(), status_code=500)
 
+        app.add_middleware(RequestBodyGuard, max_bytes=self.limits.max_request_bytes)
         if self.api_key is not None:
             app.add_middleware(_ApiKeyMiddleware, api_key=self.api_key)
 
         @app.get("/health")
         async def health():
+            failure = getattr(self.engine.runner, "failure", None)
+            if failure is not None:
+                return JSONResponse({"status": f"engine failed: {failure}"}, status_code=503)
             if not self.loop.alive:
                 return JSONResponse({"status": "engine not running"}, status_code=503)
             return {"status": "ok"}
 
         @app.get("/metrics")
         async def metrics():
+            with self._counts_lock:
+                counts = dict(self._counts)
+            killed = self._templates.num_killed if self._templates is not None else 0
+            counters = {
+                "fastdeploy_ext_prompt_chars_tokenized_total": ("Prompt characters handed to the tokenizer.",
+                                                                counts["tokenized_chars"]),
+                "fastdeploy_ext_chat_templates_rendered_total": ("Chat-template renderings started.",
+                                                                 counts["templates_rendered"]),
+                "fastdeploy_ext_chat_templates_killed_total": ("Client template workers killed at the timeout.",
+                                                               killed),
+                "fastdeploy_ext_audio_frames_decoded_total": ("Audio frames decoded from request audio.",
+                                                              counts["audio_frames_decoded"]),
+            }
             return PlainTextResponse(prometheus_text(self.loop.stats, self.model_name, self.loop.num_pending,
-                                                     self.loop.num_rejected),
+                                                     self.loop.num_rejected, counters),
                                      media_type="text/plain; version=0.0.4")
 
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "fastdeploy_ext", "root": self.model_path,
+                                                "owned_by": "fastdeploy_ext", "root": self.model_name,
                                                 "max_model_len": self.engine.max_model_len}]}
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
         async def completions(request: Request):
             return await self.run(request, "completion", await request.body())
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
         async def chat(request: Request):
             return await self.run(request, "chat", await request.body())
 
@@ -684,15 +815,48 @@ class _ApiKeyMiddleware:
     an abandoned non-streaming request would run to ``max_tokens`` holding its pages."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
+
+    def _authorized(self, header: bytes | None) -> bool:
+        scheme, _, token = (header or b"").partition(b" ")
+        # compare_digest: the time taken must not tell how much of a guessed key was right.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
+            if not self._authorized(dict(scope["headers"]).get(b"authorization")):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+                logger.info("401 %s %s: %s", scope.get("method"), scope["path"], err.message)
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _body_schema(model) -> dict:
+    name = model.__name__
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _publish_request_schemas(app, model_name: str) -> None:
+    """Handlers read the raw body (strict validation, errors as 400s), so FastAPI cannot see the request
+    models; put them into /openapi.json by hand so clients and fuzzers know the bodies (``model`` as the one
+    name this server serves)."""
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = base()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                body["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 async def _prepend(first: str, rest):
@@ -719,6 +883,7 @@ class _ChoiceState:
         self.reasons: list[str | None] = [None] * num_choices
         self.errors: list[str | None] = [None] * num_choices
         self.num_finished = 0
+        self._matchers = [StopMatcher(stops) for _ in range(num_choices)]
 
     @property
     def done(self) -> bool:
@@ -734,7 +899,9 @@ class _ChoiceState:
             self.num_finished += 1
             end = len(upd.text)
         else:
-            end = stop_safe_length(upd.text, self.stops)
+            matcher = self._matchers[i]
+            matcher.feed(upd.text[matcher.fed:])
+            end = len(upd.text) - matcher.hold
         sent = len(self.texts[i])
         if end <= sent:
             return ""

@@ -186,6 +186,14 @@ _SHAPES = {
 }
 
 
+def config_tensor_shapes(raw: dict) -> dict[str, tuple] | None:
+    """Checkpoint tensor name -> shape implied by a config.json dict (None for an architecture the planner
+    does not know)."""
+    archs = raw.get("architectures") or ["?"]
+    derive = _SHAPES.get(archs[0]) if isinstance(archs, list) and isinstance(archs[0], str) else None
+    return None if derive is None else {t.name: t.shape for t in derive(raw).tensors}
+
+
 def _checkpoint_shapes(model_dir: str) -> dict[str, tuple] | None:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:

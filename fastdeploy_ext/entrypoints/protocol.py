@@ -42,7 +42,7 @@ class _SamplingFields(_Strict):
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -102,6 +102,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    # A client template runs only on a server started with --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict | None = None
 
 
@@ -132,4 +134,6 @@ def sampling_params_of(req: _SamplingFields, defaults: SamplingParams, max_token
     try:
         return defaults.clone(**changes)
     except ValueError as e:
-        raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+        message = str(e)
+        field = message.split(":", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        raise APIError(400, message.replace("SamplingParams.", ""), param=field) from None

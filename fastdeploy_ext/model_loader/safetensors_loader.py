@@ -8,12 +8,16 @@ slice (a tensor-parallel rank reads its shard, never the full tensor). bf16 is r
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Iterator
 
 import numpy as np
 
 from fastdeploy_ext.layers.utils import WeightLoadError, is_fully_loaded
+
+# safetensors header dtypes a float parameter may be filled from.
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 class LazyTensor:
@@ -25,6 +29,11 @@ class LazyTensor:
     def __getitem__(self, idx) -> np.ndarray:
         from safetensors import safe_open
 
+        if self.dtype not in FLOAT_DTYPES:
+            # A float parameter fed integer or bool data would be cast silently; quantized codes are read
+            # with their stored dtype through quantization.numerics.RawTensor, never through here.
+            raise WeightLoadError(f"tensor '{self.name}' in {self.path} is stored as {self.dtype}, but the parameter "
+                                  f"it fills is floating point (expected one of {', '.join(sorted(FLOAT_DTYPES))})")
         try:
             with safe_open(self.path, framework="paddle") as f:
                 t = f.get_slice(self.name)[idx]
@@ -50,41 +59,103 @@ def _open_file(path: str):
         raise WeightLoadError(f"checkpoint file is unreadable or truncated: {path}: {e}") from e
 
 
-def checkpoint_files(model_dir: str) -> list[str]:
+def _shard_path(model_dir: str, entry, where: str) -> str:
+    """A shard named by the index, which must be a plain file inside the checkpoint directory: an absolute
+    path, ``..`` or a symlink out of it would load another model's (or anybody's) tensors."""
+    if not isinstance(entry, str) or not entry or os.path.isabs(entry) or "\0" in entry:
+        raise WeightLoadError(f"{where}: shard name {entry!r} must be a relative file name inside {model_dir}")
+    root = os.path.realpath(model_dir)
+    path = os.path.realpath(os.path.join(root, entry))
+    if os.path.commonpath([root, path]) != root:
+        raise WeightLoadError(f"{where}: shard {entry!r} resolves to {path}, outside the checkpoint directory {root}")
+    return path
+
+
+def checkpoint_layout(model_dir: str) -> list[tuple[str, list[tuple[str, tuple, str]]]]:
+    """``[(file, [(name, shape, dtype), ...]), ...]`` from the safetensors headers (nothing else is read).
+
+    With an index, every shard must lie inside ``model_dir`` and the index and the shards must agree: each
+    indexed tensor is in the shard the index names, and no shard holds a tensor the index does not list there.
+    A tensor name may appear in one file only."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
+    mapping = None
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise WeightLoadError(f"{index} is not a JSON object with a 'weight_map': {e}") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise WeightLoadError(f"{index}: 'weight_map' is missing or empty")
-        files = sorted(set(weight_map.values()))
-        missing = [fn for fn in files if not os.path.exists(os.path.join(model_dir, fn))]
+        mapping = {name: _shard_path(model_dir, entry, f"{index}: weight_map[{name!r}]")
+                   for name, entry in weight_map.items()}
+        files = sorted(set(mapping.values()))
+        missing = [fn for fn in files if not os.path.isfile(fn)]
         if missing:
             raise WeightLoadError(f"{index} names shard files that do not exist: {missing}")
-        return [os.path.join(model_dir, fn) for fn in files]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    found = sorted(fn for fn in os.listdir(model_dir) if fn.endswith(".safetensors"))
-    if not found:
-        raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-    return [os.path.join(model_dir, fn) for fn in found]
+    elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        files = [os.path.join(model_dir, "model.safetensors")]
+    else:
+        files = sorted(os.path.join(model_dir, fn) for fn in os.listdir(model_dir) if fn.endswith(".safetensors"))
+        if not files:
+            raise WeightLoadError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+    layout, seen = [], {}
+    for path in files:
+        with _open_file(path) as f:
+            specs = []
+            for name in f.keys():
+                try:
+                    s = f.get_slice(name)
+                    specs.append((name, tuple(int(d) for d in s.get_shape()), s.get_dtype()))
+                except Exception as e:
+                    raise WeightLoadError(f"cannot read tensor '{name}' header from {path}: {e}") from e
+        for name, _, _ in specs:
+            if name in seen:
+                raise WeightLoadError(f"tensor '{name}' is in both {seen[name]} and {path}")
+            seen[name] = path
+            if mapping is not None and mapping.get(name) != path:
+                raise WeightLoadError(f"{index} and the shards disagree: '{name}' is in {path} but the index "
+                                      f"{'puts it in ' + repr(mapping[name]) if name in mapping else 'does not list it'}")
+        layout.append((path, specs))
+    if mapping is not None:
+        absent = sorted(set(mapping) - set(seen))
+        if absent:
+            raise WeightLoadError(f"{index} lists {len(absent)} tensor(s) no shard holds: {absent[:5]}")
+    return layout
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
     """Yield ``(name, LazyTensor)`` for every tensor of the checkpoint, file by file."""
-    for path in checkpoint_files(model_dir):
-        with _open_file(path) as f:
-            names = list(f.keys())
-            specs = []
-            for name in names:
-                try:
-                    s = f.get_slice(name)
-                    specs.append((name, s.get_shape(), s.get_dtype()))
-                except Exception as e:
-                    raise WeightLoadError(f"cannot read tensor '{name}' header from {path}: {e}") from e
+    for path, specs in checkpoint_layout(model_dir):
         for name, shape, dtype in specs:
             yield name, LazyTensor(path, name, shape, dtype)
+
+
+# A config may imply at most this many times the checkpoint's elements (plus the slack below) before anything
+# is allocated; the strict loader then names whatever is still missing or extra.
+_MAX_IMPLIED_EXCESS = 2
+_IMPLIED_SLACK = 1 << 20
+# Elements per stored element of packed quantized codes (GPTQ packs eight 4-bit values in an int32).
+_PACKED = {".qweight": 8}
+
+
+def check_shapes_before_allocating(model_dir: str, expected: dict[str, tuple]) -> None:
+    """Compare the tensors ``config.json`` implies (``expected``: checkpoint name -> shape) with the
+    safetensors headers before any parameter exists: a tensor present under its name must have exactly the
+    implied shape, and the implied total may not exceed twice what the checkpoint holds. A config that claims
+    ``hidden_size: 67108864`` or 10,000 layers over a small checkpoint fails here instead of allocating
+    terabytes (names in another layout, e.g. HF-native fused experts, are left to the strict loader)."""
+    on_disk = {name: shape for _, specs in checkpoint_layout(model_dir) for name, shape, _ in specs}
+    wrong = [f"'{name}' is {list(on_disk[name])} in the checkpoint, config.json implies {list(shape)}"
+             for name, shape in expected.items() if name in on_disk and tuple(on_disk[name]) != tuple(shape)]
+    if wrong:
+        raise WeightLoadError(f"{model_dir}: {len(wrong)} tensor shape(s) contradict config.json: " + "; ".join(wrong[:5]))
+    held = sum(math.prod(shape) * next((k for suffix, k in _PACKED.items() if name.endswith(suffix)), 1)
+               for name, shape in on_disk.items())
+    implied = sum(math.prod(shape) for shape in expected.values())
+    if implied > _MAX_IMPLIED_EXCESS * held + _IMPLIED_SLACK:
+        raise WeightLoadError(f"{model_dir}: config.json implies {implied:,} parameters but the checkpoint holds "
+                              f"{held:,} elements; refusing to allocate for sizes the checkpoint does not have")
 
 
 def check_all_loaded(model, skipped: tuple = ()) -> None:

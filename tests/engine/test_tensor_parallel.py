@@ -114,16 +114,26 @@ def test_bad_tp_for_experts_and_kv_heads(tmp_path, monkeypatch):
         LLM(model=d, tensor_parallel_size=8)
 
 
+def process_gone(pid: int) -> bool:
+    """Exited: no /proc entry, or a zombie not yet reaped by the rank group's reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def test_dead_rank_is_reported(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, max_model_len=128, tensor_parallel_size=2)
     runner = llm.llm_engine.runner
-    victim = runner._procs[1]
-    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(runner.rank_pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RankFailure, match="rank 1"):
         llm.generate(prompts_of([9], 403), SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 30
-    assert all(p.poll() is not None for p in runner._procs)
+    assert all(process_gone(pid) for pid in runner.rank_pids.values())
+    # The logs the error names stay behind after a failure.
+    assert os.path.exists(os.path.join(runner.log_dir, "workerlog.1"))
 
 
 class ShapeOnly:

@@ -56,9 +56,10 @@ def test_max_tiles_bounds_every_routing():
 def test_default_config_splits_k_only_for_few_tiles():
     from fastdeploy_ext.ops.fused_moe.launcher import default_config
 
-    decode, prefill = default_config(2, 32, 6144, 1152), default_config(32768, 32, 6144, 1152)
-    assert decode.up.split_k > 1 and decode.up.block_m == 16
-    assert prefill.up.split_k == prefill.down.split_k == 1 and prefill.up.block_m == 128
+    for int8 in (False, True):
+        decode, prefill = default_config(2, 32, 6144, 1152, int8), default_config(32768, 32, 6144, 1152, int8)
+        assert decode.up.split_k > 1 and decode.up.block_m == 16
+        assert prefill.up.split_k == prefill.down.split_k == 1 and prefill.up.block_m == 128
 
 
 def _torch_args(**change):

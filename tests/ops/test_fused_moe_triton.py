@@ -98,9 +98,12 @@ CASES = {
     "bf16_t17_e8_top2": make_case(16, 17, 128, 64, 8, 2, dtype="bfloat16"),
     "bf16_t257_e4_top2": make_case(17, 257, 64, 64, 4, 2, dtype="bfloat16", runs=2),
     "int8_t255_e8_top2": make_case(18, 255, 128, 64, 8, 2, int8=True),
+    # Codes read as int32 words (GemmConfig.int8_words) in both GEMMs.
     "int8_t17_e8_dead_nan": make_case(19, 17, 64, 64, 8, 2, int8=True, dead=(0, 3), runs=2,
-                                      config=_config((16, 32, 32, 2), (16, 32, 32, 1))),
+                                      config=_config((16, 32, 32, 2, 8, 4, 3, True), (16, 32, 32, 1, 8, 4, 3, True))),
     "int8_bf16x_t17_e4_top2": make_case(20, 17, 64, 64, 4, 2, dtype="bfloat16", int8=True),
+    "int8_words_t255_e8_top2": make_case(21, 255, 64, 128, 8, 2, int8=True,
+                                         config=_config((64, 64, 32, 1, 8, 4, 3, True), (64, 64, 64, 1, 8, 4, 3, True))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),

@@ -1,12 +1,18 @@
 """Audio input for MiDashengLM: decode, downmix and resample to 16 kHz mono float32, and count audio tokens.
 
 The model applies no waveform normalisation, so the loader only scales integer PCM to [-1, 1) and never rescales
-float audio.
+float audio; float samples must already lie in [-1, 1].
+
+Encoded audio is bounded before it is decoded: the header (frames, rate, channels) is read first and a clip longer
+than ``max_seconds`` or sampled outside 8-192 kHz is refused; then at most the header's frames + 1 are decoded,
+block by block (downmixed and resampled per block), so memory follows the 16 kHz output, not the claimed input.
 """
 
 import io
+import math
 import os
-from typing import Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple, Union
 
 import numpy as np
 import soundfile
@@ -18,21 +24,118 @@ PATCH_FRAMES = 4
 SUBSAMPLE_FACTOR = 5
 MIN_SAMPLES = 3200
 MAX_CHANNELS = 8
+MIN_SAMPLE_RATE = 8000
+MAX_SAMPLE_RATE = 192000
+DEFAULT_MAX_AUDIO_SECONDS = 300.0
+# Frames per decoded block: one block of 8 channels of float32 is 2 MiB.
+_BLOCK_FRAMES = 65536
 
 AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Tuple[np.ndarray, int]]
 
-__all__ = ["MIN_SAMPLES", "load_audio", "pad_to_min_samples", "audio_token_count"]
+__all__ = ["MIN_SAMPLES", "AudioHeader", "read_audio_header", "load_audio", "pad_to_min_samples", "audio_token_count"]
 
 _INT_SCALE = {np.dtype(np.int16): 1.0 / 32768.0, np.dtype(np.int32): 1.0 / 2147483648.0}
 
 
-def _decode(data, what: str) -> Tuple[np.ndarray, int]:
-    """Encoded audio -> (float32 mono [L], sample rate); libsndfile already scales integer PCM to [-1, 1)."""
+@dataclass(frozen=True)
+class AudioHeader:
+    frames: int
+    sample_rate: int
+    channels: int
+    format: str
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sample_rate if self.sample_rate > 0 else math.inf
+
+
+def read_audio_header(data, what: str) -> AudioHeader:
+    """Frames, rate and channels from an encoded file (a path or bytes), without decoding any sample."""
+    source = io.BytesIO(bytes(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
     try:
-        samples, sr = soundfile.read(data, dtype="float32", always_2d=True)
+        with soundfile.SoundFile(source) as f:
+            return AudioHeader(int(f.frames), int(f.samplerate), int(f.channels), str(f.format))
+    except (soundfile.LibsndfileError, RuntimeError, TypeError) as err:
+        raise ValueError(f"cannot decode {what}: {err}") from err
+
+
+def check_audio_header(header: AudioHeader, what: str, max_seconds: float) -> None:
+    """Refuse a clip by its header: rate outside 8-192 kHz, 0 or more than 8 channels, no frames, or longer than
+    ``max_seconds``. Raises ValueError naming ``what``."""
+    _check_rate(header.sample_rate, what)
+    if not 1 <= header.channels <= MAX_CHANNELS:
+        raise ValueError(f"{what} has {header.channels} channels; at most {MAX_CHANNELS} are supported")
+    if header.frames <= 0:
+        raise ValueError(f"{what} is empty (its header says {header.frames} frames)")
+    if header.seconds > max_seconds:
+        raise ValueError(f"{what} is {header.seconds:.1f} s long by its header ({header.frames} frames at "
+                         f"{header.sample_rate} Hz); the limit is {max_seconds:g} s")
+
+
+def _check_rate(sr: int, what: str) -> None:
+    if not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
+        raise ValueError(f"{what} is sampled at {sr} Hz; supported rates are {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+
+
+def _check_samples(block: np.ndarray, what: str) -> None:
+    if not np.isfinite(block).all():
+        raise ValueError(f"{what} contains NaN or inf samples")
+    if block.size and float(np.max(np.abs(block))) > 1.0:
+        raise ValueError(f"{what} has float samples outside [-1, 1] (max |x| = {float(np.max(np.abs(block))):.3g}); "
+                         "scale the audio first")
+
+
+class _Resampler:
+    """Mono float32 blocks in, ``target_sr`` out, through one soxr stream (identical to a one-shot
+    ``soxr.resample`` of the concatenation)."""
+
+    def __init__(self, sr: int, target_sr: int):
+        self._stream = None if sr == target_sr else soxr.ResampleStream(sr, target_sr, 1, dtype="float32", quality="HQ")
+        self._out = []
+
+    def add(self, block: np.ndarray, last: bool = False) -> None:
+        if self._stream is None:
+            self._out.append(block)
+        else:
+            self._out.append(self._stream.resample_chunk(block, last=last).astype(np.float32, copy=False))
+
+    def finish(self) -> np.ndarray:
+        if self._stream is not None:
+            self.add(np.zeros(0, np.float32), last=True)
+        return np.concatenate(self._out) if self._out else np.zeros(0, np.float32)
+
+
+def _decode(data, what: str, target_sr: int, max_seconds: float,
+            on_frames: Optional[Callable[[int], None]] = None) -> np.ndarray:
+    """Encoded audio -> float32 mono at ``target_sr``; libsndfile already scales integer PCM to [-1, 1).
+    ``on_frames(n)`` is told the frames of every decoded block."""
+    header = read_audio_header(data, what)
+    check_audio_header(header, what, max_seconds)
+    source = io.BytesIO(bytes(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    resampler = _Resampler(header.sample_rate, target_sr)
+    budget = header.frames + 1  # one more than the header admits: a header that undercounts is caught
+    decoded = 0
+    try:
+        with soundfile.SoundFile(source) as f:
+            while decoded < budget:
+                block = f.read(min(_BLOCK_FRAMES, budget - decoded), dtype="float32", always_2d=True)
+                if block.shape[0] == 0:
+                    break
+                decoded += block.shape[0]
+                if on_frames is not None:
+                    on_frames(block.shape[0])
+                mono = block.mean(axis=1, dtype=np.float32)
+                _check_samples(mono if block.shape[1] == 1 else block, what)
+                resampler.add(mono)
     except soundfile.LibsndfileError as err:
         raise ValueError(f"cannot decode {what}: {err}") from err
-    return samples.mean(axis=1, dtype=np.float32), int(sr)
+    except MemoryError:
+        raise ValueError(f"{what} is too large to decode") from None
+    if decoded > header.frames:
+        raise ValueError(f"{what} holds more audio than its header's {header.frames} frames")
+    if decoded == 0:
+        raise ValueError(f"{what} is empty (0 samples)")
+    return resampler.finish()
 
 
 def _to_mono_float(array: np.ndarray, what: str) -> np.ndarray:
@@ -63,7 +166,8 @@ def _to_mono_float(array: np.ndarray, what: str) -> np.ndarray:
     )
 
 
-def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE) -> np.ndarray:
+def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE, max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+               on_frames: Optional[Callable[[int], None]] = None) -> np.ndarray:
     """Decode ``source`` into a mono float32 waveform at ``target_sr`` Hz.
 
     Args:
@@ -74,15 +178,18 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE) -> np.ndarray:
             - an ``(array, sample_rate)`` tuple.
             Arrays are ``[L]`` mono or 2-D multi-channel, either ``[L, C]`` or ``[C, L]``: the channel axis is the shorter
             one and has at most 8 entries. Channels are averaged. int16 / int32 PCM is scaled by 2^-15 / 2^-31;
-            float32 / float64 samples are used unchanged.
+            float32 / float64 samples are used unchanged and must lie in [-1, 1].
         target_sr: output sample rate; the model expects 16000.
+        max_seconds: longest clip accepted (300 s by default); encoded audio is refused by its header, before decoding.
+        on_frames: called with the number of frames of each decoded block (encoded sources only).
 
     Returns:
         float32 ``[L']`` mono waveform at ``target_sr`` (resampled with soxr "HQ" when the rates differ).
 
     Raises:
         FileNotFoundError: a path that does not exist.
-        ValueError: undecodable data, empty audio, NaN/inf samples, a bad sample rate or an ambiguous array layout.
+        ValueError: undecodable data, empty audio, NaN/inf or out-of-range samples, a sample rate outside 8-192 kHz,
+            a clip longer than ``max_seconds`` or an ambiguous array layout.
         TypeError: an unsupported source type or sample dtype.
     """
     target_sr = int(target_sr)
@@ -92,14 +199,13 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE) -> np.ndarray:
         path = os.fspath(source)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"audio file not found: {path}")
-        what = f"audio file {path!r}"
-        waveform, sr = _decode(path, what)
-    elif isinstance(source, (bytes, bytearray, memoryview)):
+        return _finish(_decode(path, f"audio file {path!r}", target_sr, max_seconds, on_frames), f"audio file {path!r}")
+    if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) == 0:
             raise ValueError("audio bytes are empty")
         what = f"audio bytes ({len(source)} bytes)"
-        waveform, sr = _decode(io.BytesIO(bytes(source)), what)
-    elif isinstance(source, tuple):
+        return _finish(_decode(source, what, target_sr, max_seconds, on_frames), what)
+    if isinstance(source, tuple):
         if len(source) != 2 or not isinstance(source[0], np.ndarray):
             raise TypeError("an audio tuple must be (numpy array, sample_rate)")
         array, sr = source
@@ -107,6 +213,7 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE) -> np.ndarray:
             raise ValueError(f"sample rate of an (array, sample_rate) tuple must be a positive int, got {sr!r}")
         sr = int(sr)
         what = "audio array"
+        _check_rate(sr, what)
         waveform = _to_mono_float(array, what)
     elif isinstance(source, np.ndarray):
         sr = target_sr
@@ -120,12 +227,19 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE) -> np.ndarray:
 
     if waveform.size == 0:
         raise ValueError(f"{what} is empty (0 samples)")
-    if not np.isfinite(waveform).all():
-        raise ValueError(f"{what} contains NaN or inf samples")
+    if waveform.shape[0] / sr > max_seconds:
+        raise ValueError(f"{what} is {waveform.shape[0] / sr:.1f} s long; the limit is {max_seconds:g} s")
+    _check_samples(waveform, what)
     if sr != target_sr:
-        waveform = soxr.resample(waveform, sr, target_sr, quality="HQ").astype(np.float32, copy=False)
-        if waveform.size == 0:
-            raise ValueError(f"{what} is empty after resampling from {sr} Hz to {target_sr} Hz")
+        resampler = _Resampler(sr, target_sr)
+        resampler.add(waveform)
+        waveform = resampler.finish()
+    return _finish(waveform, what, sr, target_sr)
+
+
+def _finish(waveform: np.ndarray, what: str, sr: int | None = None, target_sr: int | None = None) -> np.ndarray:
+    if waveform.size == 0:
+        raise ValueError(f"{what} is empty after resampling" + (f" from {sr} Hz to {target_sr} Hz" if sr else ""))
     return np.ascontiguousarray(waveform)
 
 

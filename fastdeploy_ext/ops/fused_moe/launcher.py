@@ -24,7 +24,8 @@ _COMBINE_TOKENS = 4
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
-    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials)."""
+    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials). ``int8_words``:
+    int8 codes are loaded 4 per int32 word and widened with integer/fp32 adds instead of as a byte tile."""
 
     block_m: int = 64
     block_n: int = 64
@@ -33,6 +34,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    int8_words: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,33 +48,30 @@ class MoEConfig:
     combine_block: int = 512
 
 
-def default_config(num_pairs, num_experts, hidden, inter, num_sms=132):
-    """Tiles by rows per expert. Few rows: weight streaming bounds the time, so tiles are short (one per expert)
-    and the K loop is split until the grid covers the GPU a couple of times; many rows: square tiles."""
-    rows = max(1, num_pairs // max(1, min(num_experts, num_pairs)))
-    if rows <= 16:
-        block_m, warps = 16, 4
-    elif rows <= 32:
-        block_m, warps = 32, 4
-    elif rows <= 64:
-        block_m, warps = 64, 4
-    else:
-        block_m, warps = 128, 8
-    if block_m == 128:
-        up = GemmConfig(128, 64, 64, 1, 8, 8, 4)
-        down = GemmConfig(128, 128, 64, 1, 8, 8, 4)
-        return MoEConfig(up, down)
-    tiles = max_tiles(num_pairs, num_experts, block_m)
-    up = GemmConfig(block_m, 64, 128, _split(tiles * _cdiv(inter, 64), hidden, 128, num_sms), 8, warps, 4)
-    down = GemmConfig(block_m, 64, 128, _split(tiles * _cdiv(hidden, 64), inter, 128, num_sms), 8, warps, 4)
-    return MoEConfig(up, down)
-
-
-def _split(programs, depth, block_k, num_sms):
-    split = 1
-    while programs * split < 2 * num_sms and depth // (2 * split) >= 2 * block_k:
-        split *= 2
-    return split
+def default_config(num_pairs, num_experts, hidden, inter, int8=False):
+    """Tiles by the mean rows per expert hit, as measured fastest at MiniMax-M1's tp=8 shapes on an H200
+    (docs/ops/fused_moe.md). Few rows: weight streaming bounds the time, so one short tile per expert, and the
+    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles."""
+    G = GemmConfig
+    rows = num_pairs / min(num_experts, num_pairs)
+    if rows <= 2:
+        tiles = max_tiles(num_pairs, num_experts, 16) * _cdiv(inter, 64)
+        if int8:
+            return MoEConfig(G(16, 64, 128, 4 if tiles <= 16 * 18 else 1, 8, 4, 3), G(16, 128, 128, 1, 8, 4, 4))
+        return MoEConfig(G(16, 64, 128, 2 if tiles <= 4 * 18 else 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
+    if rows <= 8:
+        up = G(64, 64, 128, 1, 8, 4, 3) if int8 else G(16, 64, 128, 1, 8, 4, 4)
+        return MoEConfig(up, G(16, 128, 128, 1, 8, 4, 4 if int8 else 3))
+    if rows <= 32:
+        down = G(64, 128, 128, 1, 8, 4, 3) if int8 else G(32, 128, 128, 1, 8, 4, 3)
+        return MoEConfig(G(64, 64, 128, 1, 8, 4, 3 if int8 else 4), down)
+    if rows <= 256:
+        if int8:
+            return MoEConfig(G(64, 64, 64, 1, 8, 4, 4), G(64, 128, 64, 1, 8, 4, 4))
+        return MoEConfig(G(64, 128, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 4))
+    if int8:
+        return MoEConfig(G(128, 64, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 3))
+    return MoEConfig(G(128, 128, 64, 1, 8, 8, 3), G(128, 256, 64, 1, 8, 8, 4))
 
 
 def max_tiles(num_pairs, num_experts, block_m):
@@ -101,7 +100,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return out
-    cfg = config or default_config(num_pairs, num_experts, hidden, inter, ops.num_sms(x) or 132)
+    cfg = config or default_config(num_pairs, num_experts, hidden, inter, int8)
     interp = launcher.interpreter_enabled()
     # bf16 operands on tensor cores; fp32 IEEE otherwise, and always under the interpreter (NumPy has no bf16).
     dot = ("bfloat16", "tf32") if _dtype_name(x) == "bfloat16" and not interp else ("float32", "ieee")
@@ -159,7 +158,7 @@ def _k_chunk(depth, g):
 
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
+                INT8=int8, INT8_WORDS=int8 and g.int8_words, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
                 num_stages=g.num_stages)
 
 

@@ -139,15 +139,27 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _operand(b, DOT_T: tl.constexpr, INT8: tl.constexpr):
-    # int8 codes arrive as int32 words of 4 consecutive columns: an int8 [BK, BN] tile is column-contiguous, and
-    # the MMA wants it K-contiguous, which for bytes meant one shared-memory load per byte. Each byte is
-    # sign-extended and the four interleaved back into columns (little-endian: byte i is column 4j + i).
-    if INT8:
-        c0 = ((b << 24) >> 24).to(DOT_T)
-        c1 = ((b << 16) >> 24).to(DOT_T)
-        c2 = ((b << 8) >> 24).to(DOT_T)
-        c3 = (b >> 24).to(DOT_T)
+def _code(word, SHIFT: tl.constexpr, DOT_T: tl.constexpr):
+    # Byte SHIFT / 8 of each word as a number, in integer and fp32 adds only (an int -> float conversion runs at a
+    # sixteenth of the ALU rate): its offset-binary value c + 128 in the low mantissa bits of 2**23 is the float
+    # 2**23 + 128 + c exactly. A small integer's bf16 is the upper half of its fp32 bits.
+    bits = (((word >> SHIFT) & 0xFF) ^ 0x80) | 0x4B000000
+    v = bits.to(tl.float32, bitcast=True) - 8388736.0
+    if DOT_T == tl.bfloat16:
+        v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v
+
+
+@triton.jit
+def _operand(b, DOT_T: tl.constexpr, INT8_WORDS: tl.constexpr):
+    # INT8_WORDS: int8 codes read as int32 words of 4 consecutive columns (an int8 [BK, BN] tile is
+    # column-contiguous, and the MMA wants it K-contiguous: as bytes that is one shared-memory load per code),
+    # widened and interleaved back into columns (little-endian: byte i is column 4j + i).
+    if INT8_WORDS:
+        c0 = _code(b, 0, DOT_T)
+        c1 = _code(b, 8, DOT_T)
+        c2 = _code(b, 16, DOT_T)
+        c3 = _code(b, 24, DOT_T)
         out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [b.shape[0], 4 * b.shape[1]])
     else:
         out = b.to(DOT_T)
@@ -176,6 +188,7 @@ def _up_gate_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INT8: tl.constexpr,
+    INT8_WORDS: tl.constexpr,
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -197,10 +210,10 @@ def _up_gate_kernel(
     # 64-bit where it can exceed 2**31 (expert base, token rows); offsets inside one expert's matrix are int32
     # (the launcher checks H * 2I < 2**31), which keeps the pointer tiles small.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
-    # B is read in words of LANES columns (int8: 4 codes per int32, see _operand); the launcher checks I % 4 == 0.
-    LANES: tl.constexpr = 4 if INT8 else 1
+    # B is read in words of LANES columns (see _operand); the launcher checks I % 4 == 0.
+    LANES: tl.constexpr = 4 if INT8_WORDS else 1
     w_expert = w_ptr + e.to(tl.int64) * H * 2 * I
-    if INT8:
+    if INT8_WORDS:
         w_expert = w_expert.to(tl.pointer_type(tl.int32))
     words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
     word_ok = words * LANES < I
@@ -218,8 +231,8 @@ def _up_gate_kernel(
             bg = tl.load(g_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
             bu = tl.load(g_ptrs + I // LANES, mask=k_ok[:, None] & word_ok[None, :], other=0)
         a = a.to(DOT_T)
-        acc_g = tl.dot(a, _operand(bg, DOT_T, INT8), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, _operand(bu, DOT_T, INT8), acc_u, input_precision=PRECISION)
+        acc_g = tl.dot(a, _operand(bg, DOT_T, INT8_WORDS), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, _operand(bu, DOT_T, INT8_WORDS), acc_u, input_precision=PRECISION)
         x_ptrs += BK
         g_ptrs += BK * (2 * I // LANES)
     if INT8:
@@ -287,6 +300,7 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INT8: tl.constexpr,
+    INT8_WORDS: tl.constexpr,
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -304,9 +318,9 @@ def _down_kernel(
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
-    LANES: tl.constexpr = 4 if INT8 else 1
+    LANES: tl.constexpr = 4 if INT8_WORDS else 1
     w_expert = w_ptr + e.to(tl.int64) * I * H
-    if INT8:
+    if INT8_WORDS:
         w_expert = w_expert.to(tl.pointer_type(tl.int32))
     words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
     word_ok = words * LANES < H
@@ -320,7 +334,7 @@ def _down_kernel(
             k_ok = (k0 + kk) < k_hi
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
-        acc = tl.dot(a.to(DOT_T), _operand(b, DOT_T, INT8), acc, input_precision=PRECISION)
+        acc = tl.dot(a.to(DOT_T), _operand(b, DOT_T, INT8_WORDS), acc, input_precision=PRECISION)
         a_ptrs += BK
         w_ptrs += BK * (H // LANES)
     if INT8:

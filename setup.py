@@ -17,11 +17,13 @@ setup(
         "soundfile",
         "soxr",
         "threadpoolctl",
+        # `serve` is a documented subcommand: the server packages belong to the main install.
+        "fastapi",
+        "uvicorn",
     ],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
         "triton": ["triton==3.6.0"],
-        "serve": ["fastapi", "uvicorn"],
         "align": ["torch==2.13.0", "transformers", "matplotlib", "dasheng==0.0.9"],
         "test": [
             "pytest",
@@ -32,8 +34,6 @@ setup(
             "librosa",
             "dasheng==0.0.9",
             "matplotlib",
-            "fastapi",
-            "uvicorn",
             "openai",
             "httpx",
             "schemathesis==4.32.5",

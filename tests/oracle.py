@@ -69,11 +69,18 @@ def engine_greedy(llm, k=3):
 
 
 def assert_same_outputs(outs, refs, atol=1e-5):
-    """Engine vs engine: identical prompts and tokens, logprobs (and prompt logprobs) within ``atol``."""
+    """Engine vs engine: identical prompts, tokens and finish reasons (none of them an error), one logprob entry
+    per token, logprobs (and prompt logprobs) within ``atol``."""
     assert len(outs) == len(refs)
     for o, r in zip(outs, refs):
         assert o.prompt_token_ids == r.prompt_token_ids
-        assert o.outputs.token_ids == r.outputs.token_ids
+        assert o.outputs.finish_reason == r.outputs.finish_reason, (o.outputs.finish_reason, o.outputs.error_msg)
+        assert r.outputs.finish_reason in ("stop", "length"), (r.outputs.finish_reason, r.outputs.error_msg)
+        assert o.outputs.token_ids == r.outputs.token_ids and len(r.outputs.token_ids) > 0
+        if r.outputs.logprobs is not None:
+            assert len(o.outputs.logprobs) == len(r.outputs.logprobs) == len(r.outputs.token_ids)
+        if r.prompt_logprobs is not None:
+            assert len(o.prompt_logprobs) == len(r.prompt_logprobs) == len(r.prompt_token_ids)
         for a, b in zip(o.outputs.logprobs or [], r.outputs.logprobs or []):
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= atol
         if r.prompt_logprobs is not None:

@@ -120,12 +120,13 @@ class QuantConfig:
     ``method``: None (full precision), ``"wint8"``/``"wint4"`` (quantized while loading a float checkpoint) or
     ``"gptq"``/``"fp8"`` (pre-quantized checkpoint, from config.json's ``quantization_config``). ``group_size``:
     input channels per int4 scale (-1: one group per row); ``skip_modules``: module prefixes kept in full
-    precision (exact prefix match). GPTQ: ``desc_act``, ``zero_point_offset`` (1 for AutoGPTQ's stored z - 1).
+    precision (exact prefix match); wint4 defaults to -1, as Paddle's ``weight_quantize`` and FastDeploy do.
+    GPTQ: ``desc_act``, ``zero_point_offset`` (1 for AutoGPTQ's stored z - 1).
     FP8: ``weight_block_size`` ``(out, in)``.
     """
 
     method: str | None = None
-    group_size: int = 128
+    group_size: int = -1
     skip_modules: tuple = ()
     desc_act: bool = False
     zero_point_offset: int = 0

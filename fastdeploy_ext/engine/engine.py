@@ -241,8 +241,11 @@ class LLMEngine:
                                   f"tensor_parallel_size={tp}; they must be equal")
             import paddle.distributed as dist
 
+            from fastdeploy_ext.quiet import without_flags_banner
+
             set_device(args, int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("FLAGS_selected_gpus", "0"))))
-            dist.init_parallel_env()
+            with without_flags_banner():
+                dist.init_parallel_env()
             rank = dist.get_rank()
         else:
             set_device(args)

@@ -18,6 +18,7 @@ from multiprocessing.connection import Client
 
 from fastdeploy_ext.engine import rank_channel
 from fastdeploy_ext.engine.distributed import rank_env, serve_rank
+from fastdeploy_ext.quiet import silence_paddle, without_flags_banner
 
 
 def _group_main(config: dict, isolated: bool) -> int:
@@ -53,7 +54,8 @@ def _rank_main(config: dict, rank: int) -> int:
 
         args = EngineArgs(**config["engine_args"])
         set_device(args, local_rank=rank)
-        dist.init_parallel_env()
+        with without_flags_banner():
+            dist.init_parallel_env()
         model_cls, fd_config = build_fd_config(args, rank=rank)
         model = build_model(model_cls, fd_config)
         conn.send(("ok", None))
@@ -72,6 +74,7 @@ def _rank_main(config: dict, rank: int) -> int:
 
 
 def main(argv=None) -> int:
+    silence_paddle()
     ap = argparse.ArgumentParser(description="fastdeploy_ext tensor-parallel rank group / rank (started by the driver)")
     ap.add_argument("--group", action="store_true", help="start the ranks")
     ap.add_argument("--isolated", action="store_true", help="this group runs in its own network namespace")

@@ -390,7 +390,7 @@ def first_divergence(rows: list[dict], threshold: float = DEFAULT_THRESHOLD) -> 
 
 def format_statistics(rows: list[dict]) -> str:
     """Markdown table of :func:`layer_statistics` rows."""
-    lines = ["| layer | type | mean | std | mean |diff| | max |diff| | rel err |", "|---|---|---|---|---|---|---|"]
+    lines = ["| layer | type | mean | std | mean \\|diff\\| | max \\|diff\\| | rel err |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['type']} | {r['mean']:.4f} | {r['std']:.4f} | {r.get('mean_diff', 0.0):.2e} | "
                      f"{r['max_diff']:.2e} | {r['rel_err']:.2e} |")

@@ -1,21 +1,82 @@
-"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``, ``serve``, ``plan``, ``align``."""
+"""``fastdeploy-ext`` command line: ``demo``, ``make-tiny``, ``generate``, ``serve``, ``plan``, ``align``.
+
+A user's mistake (a bad flag, a value out of range, a prompt the model cannot take, a busy port) is one
+``error:`` line on stderr and exit status 2, and it is found before any weight is read.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+
+from fastdeploy_ext.quiet import silence_paddle
+
+PROG = "fastdeploy-ext"
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one ``error:`` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default follows its help, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or "default" in text.lower()):
+            return text
+        return f"{text.rstrip('.')} (default: %(default)s)."
+
+
+def _int_at_least(low: int):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+
+    return parse
+
+
+def _flag_names(message: str) -> str:
+    """``SamplingParams.top_p: ...`` -> ``--top-p: ...``: say what the user typed."""
+    return re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+# ---- tiny checkpoints
+
+
+def _write_tiny_into(arch: str, out_dir: str, force: bool, seed: int = 0, **kwargs) -> None:
+    from fastdeploy_ext.tiny import tiny_checkpoint_arch, write_tiny
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"{out_dir} exists and is not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and tiny_checkpoint_arch(out_dir) != arch and not force:
+        raise UsageError(f"{out_dir} is not empty and does not hold a tiny {arch} checkpoint; choose another "
+                         "directory or pass --force to write into it anyway")
+    write_tiny(arch, out_dir, seed=seed, **kwargs)
 
 
 def _cmd_make_tiny(args) -> int:
-    from fastdeploy_ext.tiny import write_tiny
-
-    extra = {}
-    if args.dtype:
-        extra["dtype"] = args.dtype
+    extra = {"dtype": args.dtype} if args.dtype else {}
     if args.shards != 1:
         extra["shards"] = args.shards
-    write_tiny(args.arch, args.out, seed=args.seed, **extra)
+    _write_tiny_into(args.arch, args.out, args.force, seed=args.seed, **extra)
     print(f"wrote tiny {args.arch} checkpoint to {args.out}")
     return 0
 
@@ -28,24 +89,15 @@ def _print_outputs(outputs) -> None:
         print(f"completion: {out.outputs.text!r}")
 
 
-def _cmd_generate(args) -> int:
-    from fastdeploy_ext import LLM, SamplingParams
-
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              dtype=args.dtype, backend=args.backend)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
-    _print_outputs(llm.generate(args.prompt, params, use_tqdm=not args.no_tqdm))
-    return 0
-
-
 def _cmd_demo(args) -> int:
-    from fastdeploy_ext import LLM, SamplingParams
-    from fastdeploy_ext.tiny import write_tiny
+    from fastdeploy_ext.tiny import tiny_checkpoint_arch
 
     out_dir = args.out
-    if not os.path.exists(os.path.join(out_dir, "config.json")):
-        write_tiny("Qwen2ForCausalLM", out_dir, seed=0)
+    if args.force or tiny_checkpoint_arch(out_dir) != "Qwen2ForCausalLM":
+        _write_tiny_into("Qwen2ForCausalLM", out_dir, args.force)
         print(f"wrote a tiny random Qwen2 checkpoint to {out_dir}")
+    from fastdeploy_ext import LLM, SamplingParams
+
     llm = LLM(model=out_dir, max_model_len=1024, max_num_seqs=8)
     prompts = ["hello world", "the music of the day", "你好 世界", "write a number: 42"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
@@ -57,35 +109,125 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
-    """``--config`` plus one ``--kebab-case`` flag per deployment-config field; a given flag wins over the file."""
-    from fastdeploy_ext.entrypoints.deploy_config import _SCHEMA
+# ---- generate
 
-    p.add_argument("--config", help="YAML deployment config (configs/*.yaml)")
+
+def _engine_kwargs(args) -> dict:
+    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+                backend=args.backend, device=args.device, quantization=args.quantization,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
+def _generate_requests(args):
+    """The sampling parameters and one request per ``--prompt``, checked against the model's config, tokenizer
+    and layer shapes (the model is built without weights) so that no mistake waits for the weights to load."""
+    from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model
+    from fastdeploy_ext.engine.sampling_params import SamplingParams
+    from fastdeploy_ext.engine.tokenizer import Tokenizer
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
+    except ValueError as e:
+        raise UsageError(_flag_names(str(e))) from None
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model {args.model}: no config.json there (a checkpoint directory holds config.json, "
+                         "the safetensors weights and tokenizer.json)")
+    model_cls, fd_config = build_fd_config(EngineArgs(model=args.model, **_engine_kwargs(args)))
+    model = build_model(model_cls, fd_config, load=False)
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    processor = getattr(model, "multimodal_processor", None)
+    clips = []
+    for path in args.audio or ():
+        if processor is None:
+            raise UsageError(f"--audio: {model_cls.name()} takes text only")
+        from fastdeploy_ext.layers.audio.io import load_audio
+
+        try:
+            clips.append(load_audio(path))
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--audio {path}: {e}") from None
+    limit = fd_config.scheduler_config.max_model_len
+    requests = []
+    for i, text in enumerate(args.prompt):
+        where = f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt"
+        if not text:
+            raise UsageError(f"{where} is empty")
+        if clips:
+            from fastdeploy_ext.models.midashenglm import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
+
+            if AUDIO_TOKEN not in text:
+                text = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(clips) + text
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        if processor is not None:
+            try:
+                _, ids, _ = processor(tokenizer, text, ids, {"audio": clips} if clips else None)
+            except (ValueError, TypeError) as e:
+                raise UsageError(f"{where}: {e}") from None
+        if len(ids) >= limit:
+            raise UsageError(f"{where} has {len(ids)} tokens but --max-model-len is {limit} (the prompt and at "
+                             "least one generated token must fit)")
+        requests.append({"prompt": text, "multimodal_data": {"audio": clips}} if clips else text)
+    return params, requests
+
+
+def _cmd_generate(args) -> int:
+    params, requests = _generate_requests(args)
+    from fastdeploy_ext import LLM
+
+    with LLM(model=args.model, **_engine_kwargs(args)) as llm:
+        _print_outputs(llm.generate(requests, params, use_tqdm=not args.no_tqdm))
+    return 0
+
+
+# ---- serve and plan
+
+
+def _add_deploy_flags(p: argparse.ArgumentParser, server: bool) -> None:
+    """``--config`` plus one ``--kebab-case`` flag per deployment-config field (``plan`` leaves out the fields
+    only the server reads); a given flag wins over the file."""
+    from dataclasses import MISSING, fields
+
+    from fastdeploy_ext.entrypoints.deploy_config import _SCHEMA, CHOICES, SERVER_FIELDS, DeployConfig
+
+    defaults = {f.name: f.default for f in fields(DeployConfig)}
+    metavars = {"model": "DIR", "model_info": "DIR", "allowed_local_media_path": "DIR", "device_memory": "SIZE",
+                "tiny_arch": "ARCH", "served_model_name": "NAME", "host": "ADDR", "api_key": "KEY"}
+    p.add_argument("--config", metavar="FILE", help="YAML deployment config (configs/*.yaml); any flag below "
+                   "overrides the field of the same name.")
     for name, (types, _, help_) in _SCHEMA.items():
+        if name in SERVER_FIELDS and not server:
+            continue
         flag = "--" + name.replace("_", "-")
+        default = defaults.get(name)
+        if default not in (None, MISSING) and "default" not in help_.lower():
+            help_ = f"{help_.rstrip('.')} (default: {default})."
+        help_ = help_.replace("%", "%%")
         if bool in types:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        else:
-            kind = int if int in types and float not in types and str not in types else (
-                float if float in types and str not in types else str)
-            p.add_argument(flag, dest=name, type=kind, default=None, help=help_)
+            continue
+        kind = int if int in types and float not in types and str not in types else (
+            float if float in types and str not in types else str)
+        metavar = None if name in CHOICES else metavars.get(name, {int: "N", float: "X"}.get(kind, "VALUE"))
+        p.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), metavar=metavar,
+                       help=help_)
 
 
 def _deploy_config(args):
     from fastdeploy_ext.entrypoints.deploy_config import FIELDS, load_config
 
     if args.config is None and args.model is None:
-        raise SystemExit("error: give --config FILE or --model DIR")
-    return load_config(args.config, {k: getattr(args, k) for k in FIELDS})
+        raise UsageError("give --config FILE or --model DIR")
+    return load_config(args.config, {k: getattr(args, k) for k in FIELDS if hasattr(args, k)})
 
 
 def _ensure_model(cfg) -> None:
     """Demo configs name a tiny architecture: write its random checkpoint on first use."""
-    if cfg.tiny_arch and not os.path.exists(os.path.join(cfg.model, "config.json")):
-        from fastdeploy_ext.tiny import write_tiny
+    from fastdeploy_ext.tiny import tiny_checkpoint_arch
 
-        write_tiny(cfg.tiny_arch, cfg.model, seed=0)
+    if cfg.tiny_arch and tiny_checkpoint_arch(cfg.model) != cfg.tiny_arch \
+            and not os.path.exists(os.path.join(cfg.model, "config.json")):
+        _write_tiny_into(cfg.tiny_arch, cfg.model, force=False)
         print(f"wrote a tiny random {cfg.tiny_arch} checkpoint to {cfg.model}", file=sys.stderr)
 
 
@@ -104,30 +246,55 @@ def _cmd_plan(args) -> int:
     return 0 if result.fits else 1
 
 
+def _listen(host: str, port: int):
+    """Bind the server's socket now, so a busy port is reported before the model loads; uvicorn serves on it."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _cmd_serve(args) -> int:
     import logging
 
-    from fastdeploy_ext.engine.engine import LLMEngine
-    from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits
-    from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server
-    from fastdeploy_ext.entrypoints.planner import plan
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(args.log_level.upper())
     cfg = _deploy_config(args)
-    _ensure_model(cfg)
-    result = plan(cfg)
-    if not result.fits:
-        print(result.table(), file=sys.stderr)
-        print(f"error: {cfg.source}: this deployment does not fit: {result.reason}", file=sys.stderr)
-        return 2
-    api_key = resolve_api_key(cfg)
-    engine = LLMEngine(cfg.model, **engine_args(cfg))
-    server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
-                          api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,
-                          limits=server_limits(cfg))
-    print(f"serving {cfg.model_name!r} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
-    run_server(server, cfg.host, cfg.port, log_level=args.log_level)
+    sock = _listen(cfg.host, cfg.port)
+    try:
+        from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits
+        from fastdeploy_ext.entrypoints.planner import plan
+
+        api_key = resolve_api_key(cfg)
+        _ensure_model(cfg)
+        result = plan(cfg)
+        if not result.fits:
+            print(result.table(), file=sys.stderr)
+            raise UsageError(f"{cfg.source}: this deployment does not fit: {result.reason}")
+        from fastdeploy_ext.engine.engine import LLMEngine
+        from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server, startup_summary
+
+        engine = LLMEngine(cfg.model, **engine_args(cfg))
+        server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
+                              api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,
+                              limits=server_limits(cfg), stats_interval=cfg.stats_interval)
+        host, port = sock.getsockname()[:2]
+        for line in startup_summary(engine, cfg, f"http://{host}:{port}/v1", api_key is not None):
+            logging.getLogger("fastdeploy_ext.server").info("%s", line)
+        run_server(server, sock, log_level=args.log_level)
+    finally:
+        sock.close()
     return 0
+
+
+# ---- align
 
 
 def _cmd_align(args) -> int:
@@ -139,8 +306,7 @@ def _cmd_align(args) -> int:
     )
 
     if not args.threshold > 0:
-        print(f"error: --threshold must be > 0, got {args.threshold}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--threshold must be > 0, got {args.threshold}")
     try:
         require_align_extra(plot=args.plot is not None)
         import transformers
@@ -150,8 +316,7 @@ def _cmd_align(args) -> int:
         result = run_alignment(args.model, args.prompt, args.audio, reference_dir=args.reference,
                                threshold=args.threshold, max_model_len=args.max_model_len)
     except (MissingExtraError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     print(result.report())
     if args.plot:
         plot_statistics(result.rows, result.threshold, args.plot,
@@ -160,94 +325,177 @@ def _cmd_align(args) -> int:
     return 0 if result.diverging is None else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fastdeploy-ext", description="MiniMax-M1 and MiDashengLM on a "
-                                "FastDeploy-style PaddlePaddle engine.")
-    sub = p.add_subparsers(dest="command", required=True)
+# ---- parser
 
-    d = sub.add_parser("demo", help="write a tiny random checkpoint (offline) and generate with it")
-    d.add_argument("--out", default=os.path.join(os.getcwd(), "tiny_models", "qwen2"),
-                   help="where the tiny checkpoint lives (default: ./tiny_models/qwen2)")
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fastdeploy_ext import __version__
+
+    try:
+        paddle = version("paddlepaddle")
+    except PackageNotFoundError:
+        paddle = "not installed"
+    return f"{PROG} {__version__} (paddlepaddle {paddle}, Python {sys.version.split()[0]})"
+
+
+_DTYPES = ["auto", "float32", "float64", "bfloat16", "float16"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, formatter_class=_Help,
+                description="Serve MiniMax-M1 and MiDashengLM (and Qwen2) on a FastDeploy-style PaddlePaddle "
+                "engine.\nStart with `fastdeploy-ext demo`; `fastdeploy-ext COMMAND --help` describes a command.")
+    p.add_argument("--version", action="version", version=_version(), help="Print the package, Paddle and Python "
+                   "versions and exit.")
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+
+    def command(name: str, help_: str, description: str | None = None):
+        return sub.add_parser(name, help=help_, description=description or help_, formatter_class=_Help)
+
+    d = command("demo", "Write a tiny random Qwen2 checkpoint (offline) and generate with it.")
+    d.add_argument("--out", default=os.path.join("tiny_models", "qwen2"),
+                   help="Directory of the tiny checkpoint: written when empty or absent, reused when it holds the "
+                   "demo's checkpoint.")
+    d.add_argument("--force", action="store_true", help="Write the checkpoint even into a directory that holds "
+                   "something else (its files of the same names are replaced).")
     d.set_defaults(func=_cmd_demo)
 
     from fastdeploy_ext.tiny import tiny_architectures
 
-    m = sub.add_parser("make-tiny", help="write a tiny random checkpoint (config.json + safetensors + tokenizer)")
-    m.add_argument("--arch", required=True, choices=tiny_architectures(), help="architectures[0] of the checkpoint")
-    m.add_argument("--out", required=True, help="output directory")
-    m.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    m.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="on-disk dtype (default float32)")
-    m.add_argument("--shards", type=int, default=1, help="number of safetensors shards (>1 writes an index)")
+    m = command("make-tiny", "Write a tiny random checkpoint: config.json, safetensors and a trained tokenizer.")
+    m.add_argument("--arch", required=True, choices=tiny_architectures(), help="Architecture, as config.json's "
+                   "architectures[0] names it.")
+    m.add_argument("--out", required=True, metavar="DIR", help="Output directory; must be empty, absent, or hold a "
+                   "tiny checkpoint of the same architecture (see --force).")
+    m.add_argument("--seed", metavar="N", type=int, default=0, help="Seed of the random weights.")
+    m.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="Dtype of the stored weights.")
+    m.add_argument("--shards", metavar="N", type=_int_at_least(1), default=1, help="Number of safetensors files; more than one "
+                   "also writes model.safetensors.index.json.")
+    m.add_argument("--force", action="store_true", help="Write into a directory that holds something else (files "
+                   "of the same names are replaced).")
     m.set_defaults(func=_cmd_make_tiny)
 
-    g = sub.add_parser("generate", help="generate from a checkpoint directory")
-    g.add_argument("--model", required=True, help="checkpoint directory")
-    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"],
-                   help="compute dtype (default auto: float32 on CPU, the checkpoint's bf16/fp16 on a GPU)")
-    g.add_argument("--backend", default="auto", choices=["auto", "host", "device"],
-                   help="auto (default): host for CPU float32, device otherwise; host: NumPy/MKL CPU code; "
-                   "device: Paddle ops and Triton kernels (runs on CPU too)")
-    g.add_argument("--no-tqdm", action="store_true", help="no progress bar")
+    g = command("generate", "Generate text for one or more prompts from a checkpoint directory.",
+                "Generate text for one or more prompts from a checkpoint directory. Every setting and prompt is "
+                "checked\nbefore the weights are read.")
+    g.add_argument("--model", required=True, metavar="DIR", help="Checkpoint directory: config.json, safetensors "
+                   "weights and tokenizer.json (make-tiny writes one).")
+    g.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="Prompt text; repeat the flag "
+                   "for several prompts, which run as one batch.")
+    g.add_argument("--audio", action="append", metavar="FILE", help="Audio clip for MiDashengLM (WAV, FLAC, OGG, "
+                   "MP3; resampled to 16 kHz); repeat for several. Every prompt gets all clips; a prompt without "
+                   "<|AUDIO|> gets one placeholder per clip in front.")
+    g.add_argument("--max-tokens", metavar="N", type=_int_at_least(1), default=32, help="Most tokens to generate per prompt "
+                   "(fewer when eos comes first or max_model_len is reached).")
+    g.add_argument("--temperature", metavar="T", type=float, default=0.0, help="Sampling temperature; 0 always picks the most "
+                   "likely token (greedy).")
+    g.add_argument("--top-p", metavar="P", type=float, default=1.0, help="Sample only from the most likely tokens whose "
+                   "probabilities add up to this much; 1 keeps them all.")
+    g.add_argument("--seed", metavar="N", type=int, default=None, help="Sampling seed: the same seed gives the same text "
+                   "(default: a different draw each run).")
+    g.add_argument("--max-model-len", metavar="N", type=_int_at_least(2), default=None, help="Longest sequence, prompt plus "
+                   "generated tokens (default: the model's max_position_embeddings, at most 32768).")
+    g.add_argument("--max-num-seqs", metavar="N", type=_int_at_least(1), default=64, help="Most sequences in one batch.")
+    g.add_argument("--tensor-parallel-size", metavar="N", type=_int_at_least(1), default=1, help="Shard the model over this "
+                   "many processes (gloo on a CPU, NCCL on GPUs); it must divide the heads.")
+    g.add_argument("--dtype", default="auto", choices=_DTYPES, help="Compute dtype: auto is float32 on a CPU and the "
+                   "checkpoint's bf16/fp16 on a GPU; float64 checks on a CPU (device backend); bfloat16 and "
+                   "float16 need a GPU (default: auto).")
+    g.add_argument("--backend", default="auto", choices=["auto", "host", "device"], help="auto: host for CPU "
+                   "float32, device otherwise; host: the NumPy/MKL code, CPU float32 only; device: Paddle ops and "
+                   "Triton kernels, the path a GPU runs, which runs on a CPU too (default: auto).")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="auto takes the GPU when this "
+                   "Paddle build has CUDA and sees one, else the CPU (default: auto).")
+    g.add_argument("--quantization", default=None, choices=["wint8", "wint4"], help="Weight-only quantization "
+                   "while loading: int8 or int4 codes, one scale per output channel (default: none; GPTQ and FP8 "
+                   "checkpoints are recognised from config.json).")
+    g.add_argument("--no-tqdm", action="store_true", help="Do not show the progress bar.")
     g.set_defaults(func=_cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (configs/*.yaml; flags override the file)")
-    _add_deploy_flags(s)
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s = command("serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).",
+                "OpenAI-compatible HTTP server: POST /v1/completions and /v1/chat/completions, GET /v1/models,\n"
+                "/health and /metrics. Settings come from --config (configs/*.yaml) and the flags, which win over\n"
+                "the file; the port and the plan are checked before the model loads (docs/deployment.md).")
+    _add_deploy_flags(s, server=True)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="Level of the server's log (start-up summary, stats lines, rejected requests) and of "
+                   "uvicorn's.")
     s.set_defaults(func=_cmd_serve)
 
-    pl = sub.add_parser("plan", help="per-rank memory plan of a deployment config (exit 1 if it does not fit)")
-    _add_deploy_flags(pl)
-    pl.add_argument("--gpu-memory", dest="device_memory", help="memory per card, e.g. 80GiB (= --device-memory)")
-    pl.add_argument("--length", type=int, default=None, help="sequence length for the largest max_num_seqs "
-                    "(default: max_model_len)")
-    pl.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    pl = command("plan", "Per-rank memory plan of a deployment (exit status 1 when it does not fit).",
+                 "Per-rank memory plan of a deployment: weights, KV cache, state pool, activations, and the largest\n"
+                 "max_num_seqs that fits. Exit status 0 when it fits, 1 when it does not.")
+    _add_deploy_flags(pl, server=False)
+    pl.add_argument("--gpu-memory", dest="device_memory", metavar="SIZE", help="Memory per card, e.g. 80GiB "
+                    "(the same as --device-memory).")
+    pl.add_argument("--length", metavar="N", type=_int_at_least(1), default=None, help="Sequence length at which the largest "
+                    "max_num_seqs is computed (default: max_model_len).")
+    pl.add_argument("--json", action="store_true", help="Print the numbers as JSON instead of a table.")
     pl.set_defaults(func=_cmd_plan)
 
-    a = sub.add_parser(
-        "align", formatter_class=argparse.RawDescriptionHelpFormatter,
-        help="per-layer hidden states vs the reference implementation (needs the align extra)",
-        description="Teacher-force one prompt through this implementation and the reference (CPU, fp32) and print,\n"
+    from fastdeploy_ext.entrypoints.align import DEFAULT_THRESHOLD
+
+    a = command(
+        "align", "Per-layer hidden states against the reference implementation (needs the align extra).",
+        "Teacher-force one prompt through this implementation and the reference (CPU, fp32) and print,\n"
         "per row (embed, each decoder layer's output, final norm): mean and std of our hidden state, mean and max\n"
         "|ours - ref|, rel err = ||ours - ref|| / ||ref||, then the first row whose rel err exceeds --threshold.\n\n"
         "References: Qwen2 -> transformers Qwen2ForCausalLM; MiniMax-M1 / MiniMax-Text-01 / HF-native MiniMax ->\n"
         "transformers MiniMaxForCausalLM with its RoPE patched to MiniMax's partial rotation (transformers rotates\n"
         "the whole head; unpatched it would blame every correct full-attention layer); MiDashengLM -> the dasheng\n"
         "encoder + the projector in torch + transformers Qwen2.\n\n"
-        'Needs the align extra: pip install -e ".[align]" (plus dasheng==0.0.9 for MiDashengLM).\n'
+        'Needs the align extra: pip install -e ".[align]".\n'
         "Exit status: 0 no diverging layer, 1 a layer diverges, 2 missing dependency or bad input.")
-    a.add_argument("--model", required=True, help="checkpoint directory (our side, and the reference's unless --reference)")
-    a.add_argument("--reference", default=None, help="load the reference from this checkpoint instead of --model "
-                   "(e.g. the original when --model is a converted copy)")
-    a.add_argument("--prompt", required=True, help="prompt text; for MiDashengLM a prompt without <|AUDIO|> gets one "
-                   "audio placeholder per --audio in front")
-    a.add_argument("--audio", action="append", default=None, help="audio file for MiDashengLM (repeat for several)")
-    from fastdeploy_ext.entrypoints.align import DEFAULT_THRESHOLD
-
-    a.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"rel err above which a layer diverges (default {DEFAULT_THRESHOLD:g}; fp32 noise is ~1e-6)")
-    a.add_argument("--plot", default=None, help="write rel err per layer (log scale) to this PNG")
-    a.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt accepted (default: max_position_embeddings, at most 4096)")
+    a.add_argument("--model", required=True, metavar="DIR", help="Checkpoint directory (our side, and the "
+                   "reference's unless --reference is given).")
+    a.add_argument("--reference", default=None, metavar="DIR", help="Load the reference from this checkpoint "
+                   "instead of --model (e.g. the original when --model is a converted copy).")
+    a.add_argument("--prompt", required=True, metavar="TEXT", help="Prompt text; for MiDashengLM a prompt without "
+                   "<|AUDIO|> gets one audio placeholder per --audio in front.")
+    a.add_argument("--audio", action="append", default=None, metavar="FILE", help="Audio file for MiDashengLM; "
+                   "repeat for several clips.")
+    a.add_argument("--threshold", metavar="X", type=float, default=DEFAULT_THRESHOLD, help="Relative error above which a layer "
+                   "diverges; fp32 noise is ~1e-6.")
+    a.add_argument("--plot", default=None, metavar="PNG", help="Also draw rel err per layer (log scale) into this "
+                   "PNG file.")
+    a.add_argument("--max-model-len", metavar="N", type=_int_at_least(2), default=None, help="Longest prompt accepted "
+                   "(default: max_position_embeddings, at most 4096).")
     a.set_defaults(func=_cmd_align)
     return p
 
 
 def main(argv=None) -> int:
-    from fastdeploy_ext.config.base import ConfigError
+    import logging
 
-    args = build_parser().parse_args(argv)
+    silence_paddle()
+    # Configured before paddle is imported: Paddle's import installs its own root handler otherwise.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple:
+    """Exceptions that describe the user's input. ``WeightLoadError`` (an unreadable or mismatched checkpoint)
+    lives in a module that imports paddle: it can only have been raised once that module is loaded."""
+    from fastdeploy_ext.config.base import ConfigError
+
+    errors = [UsageError, ConfigError]
+    utils = sys.modules.get("fastdeploy_ext.layers.utils")
+    if utils is not None:
+        errors.append(utils.WeightLoadError)
+    return tuple(errors)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     max_num_seqs: 16
     host: 127.0.0.1
     port: 8000
+    stats_interval: 10                   # seconds between the server's stats log lines; 0: none
 
 Every error names the file and the field; unknown fields are errors (with a suggestion), not ignored.
 """
@@ -93,6 +94,7 @@ class DeployConfig:
     max_stop_chars: int = 1024
     max_tokens_limit: int | None = None
     rank_heartbeat_timeout_s: float = 30.0
+    stats_interval: float = 10.0
     source: str = "<flags>"
 
     @property
@@ -133,46 +135,78 @@ def _positive_float(v):
 
 
 _SCHEMA = {
-    "model": ((str,), lambda v: None if v else "must be a non-empty path", "checkpoint directory"),
-    "model_info": ((str, type(None)), None, "directory with config.json (+ index) used for planning"),
-    "tiny_arch": ((str, type(None)), None, "write a tiny random checkpoint of this architecture if `model` is absent"),
-    "served_model_name": ((str, type(None)), None, "name clients pass as `model`"),
-    "device": ((str,), lambda v: None if v in ("cpu", "gpu") else "must be 'cpu' or 'gpu'", "cpu | gpu"),
-    "device_memory": ((str, int, float, type(None)), None, "memory per card, e.g. 80GiB"),
-    "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]", "fraction"),
-    "tensor_parallel_size": ((int,), _positive, "ranks"),
-    "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}", "dtype"),
+    "model": ((str,), lambda v: None if v else "must be a non-empty path", "Checkpoint directory (config.json, "
+              "safetensors, tokenizer.json); in a YAML file relative to the file."),
+    "model_info": ((str, type(None)), None, "Directory whose config.json (and safetensors index) the planner reads "
+                   "when the weights are elsewhere."),
+    "tiny_arch": ((str, type(None)), None, "Write a tiny random checkpoint of this architecture into `model` when "
+                  "it does not exist yet (the demo configs)."),
+    "served_model_name": ((str, type(None)), None, "Name clients pass as `model`; default: the basename of `model`."),
+    "device": ((str,), lambda v: None if v in ("cpu", "gpu") else "must be 'cpu' or 'gpu'",
+               "Where the model runs; gpu needs a CUDA build of Paddle and device_memory."),
+    "device_memory": ((str, int, float, type(None)), None, "Memory per card for the plan, e.g. 80GiB or 141GB; "
+                      "default on a CPU: this machine's RAM."),
+    "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+                               "Fraction of device_memory the plan may use."),
+    "tensor_parallel_size": ((int,), _positive, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); "
+                             "must divide the heads."),
+    "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}",
+              "Compute dtype: auto is float32 on a CPU and the checkpoint's bf16/fp16 on a GPU; float64 checks on "
+              "a CPU (device backend)."),
     "backend": ((str,), lambda v: None if v in _BACKENDS else f"must be one of {', '.join(_BACKENDS)}",
-                "auto (host for CPU float32, else device) | host (NumPy/MKL, CPU float32) | device (Paddle ops, Triton)"),
-    "quantization": ((str, dict, type(None)), _quantization, "weight-only quantization"),
-    "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2", "tokens"),
-    "max_num_seqs": ((int,), _positive, "sequences"),
-    "max_num_batched_tokens": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1", "tokens"),
-    "enable_chunked_prefill": ((bool,), None, "bool"),
-    "block_size": ((int,), _positive, "tokens per KV page"),
-    "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1", "pages"),
-    "seed": ((int,), None, "engine seed"),
-    "host": ((str,), lambda v: None if v else "must be non-empty", "bind address"),
-    "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port"),
-    "api_key": ((str, type(None)), None, "bearer token (readable in /proc: prefer --api-key-file or "
-                "$FASTDEPLOY_EXT_API_KEY)"),
-    "api_key_file": ((str, type(None)), None, "file holding the bearer token"),
-    "allowed_local_media_path": ((str, type(None)), None, "directory file:// media may come from"),
-    "max_pending_requests": ((int,), _positive, "sequences before 429"),
-    "trust_request_chat_template": ((bool,), None, "run chat templates sent by clients (in a killable worker)"),
-    "template_timeout_s": ((float, int), _positive_float, "seconds a client chat template may render"),
-    "max_audio_seconds": ((float, int), _positive_float, "longest audio clip per content part"),
+                "auto: host for CPU float32, device otherwise; host: NumPy/MKL, CPU float32; device: Paddle ops "
+                "and Triton kernels (docs/architecture.md \"Backends\")."),
+    "quantization": ((str, dict, type(None)), _quantization, "Weight-only quantization while loading: wint8 or wint4 "
+                     "(both one scale per output channel; in a YAML file also {method: wint4, group_size: N}); "
+                     "default: none."),
+    "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2",
+                      "Longest sequence, prompt plus generated tokens; default: max_position_embeddings, at most "
+                      "32768."),
+    "max_num_seqs": ((int,), _positive, "Most sequences in the running batch."),
+    "max_num_batched_tokens": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                               "Token budget of one engine step; default: 2048 with chunked prefill, else "
+                               "max_model_len."),
+    "enable_chunked_prefill": ((bool,), None, "Split long prompts over several steps so decodes keep running."),
+    "block_size": ((int,), _positive, "Tokens per KV-cache page."),
+    "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                      "KV-cache pages in the pool; default: max_num_seqs sequences of max_model_len, within "
+                      "1 GiB but at least one sequence."),
+    "seed": ((int,), None, "Seed of requests that give none."),
+    "host": ((str,), lambda v: None if v else "must be non-empty", "Address to listen on (loopback unless told "
+             "otherwise)."),
+    "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port to listen on "
+             "(0: any free port); checked before the model loads."),
+    "api_key": ((str, type(None)), None, "Require `Authorization: Bearer KEY` on /v1/*; the key is readable in "
+                "/proc, so prefer --api-key-file or $FASTDEPLOY_EXT_API_KEY."),
+    "api_key_file": ((str, type(None)), None, "File holding the bearer token that /v1/* requires."),
+    "allowed_local_media_path": ((str, type(None)), None, "The only directory file:// audio URLs may point into."),
+    "max_pending_requests": ((int,), _positive, "Unfinished sequences (prompts x n) accepted before new requests "
+                             "get 429."),
+    "trust_request_chat_template": ((bool,), None, "Render chat templates that clients send (in a worker that is "
+                                    "killed after template_timeout_s); off: such requests get 400."),
+    "template_timeout_s": ((float, int), _positive_float, "Seconds a client's chat template may take to render."),
+    "max_audio_seconds": ((float, int), _positive_float, "Longest audio clip a content part may hold, in seconds."),
     "max_request_bytes": ((int, type(None)), lambda v: None if v is None or v >= 1024 else "must be >= 1024",
-                          "largest request body (default: base64 of max_audio_seconds of 48 kHz stereo PCM16)"),
+                          "Largest request body in bytes; default: the base64 of max_audio_seconds of 48 kHz stereo "
+                          "PCM16."),
     "max_prompt_chars": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                         "longest prompt before tokenizing (default: 32 x max_model_len)"),
-    "max_stop_strings": ((int,), _positive, "stop strings per request"),
-    "max_stop_chars": ((int,), _positive, "characters of all stop strings of a request"),
+                         "Longest prompt in characters, checked before tokenizing; default: 32 x max_model_len."),
+    "max_stop_strings": ((int,), _positive, "Most stop strings one request may give."),
+    "max_stop_chars": ((int,), _positive, "Most characters all stop strings of one request may have together."),
     "max_tokens_limit": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                         "largest max_tokens a request may ask for (and the default)"),
+                         "Largest max_tokens a request may ask for (also the default of requests that give none); "
+                         "unset: max_model_len decides."),
     "rank_heartbeat_timeout_s": ((float, int), lambda v: None if v >= 2 else "must be >= 2",
-                                 "seconds a tensor-parallel rank may go silent before the engine fails"),
+                                 "Seconds a tensor-parallel rank may go silent before the engine fails."),
+    "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
+                       "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
 }
+# Fields only a running server reads: `plan` does not offer them as flags.
+SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
+                 "trust_request_chat_template", "template_timeout_s", "max_audio_seconds", "max_request_bytes",
+                 "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
+                 "rank_heartbeat_timeout_s", "stats_interval")
+CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
 FIELDS = tuple(_SCHEMA)
 
 

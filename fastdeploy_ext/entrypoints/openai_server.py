@@ -56,6 +56,8 @@ logger = logging.getLogger("fastdeploy_ext.server")
 _DISCONNECT_POLL_S = 0.25
 # tokens/s in /metrics is the generation rate over this trailing window.
 _RATE_WINDOW_S = 10.0
+# Seconds a client told 429 should wait: a pending sequence finishes within a few engine steps at most.
+_RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -98,9 +100,10 @@ class EngineStats:
 class EngineLoop:
     """Drives one engine from one thread and fans its outputs out to asyncio queues."""
 
-    def __init__(self, engine, max_pending_requests: int):
+    def __init__(self, engine, max_pending_requests: int, stats_interval: float = 0.0):
         self.engine = engine
         self.max_pending_requests = max_pending_requests
+        self.stats_interval = stats_interval
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine request id -> sink (engine thread only)
         self._groups: dict[str, list[str]] = {}  # submitted id -> engine ids of its n choices (engine thread only)
@@ -112,6 +115,7 @@ class EngineLoop:
         self._generated = 0
         self._finished: dict[str, int] = {}
         self.stats = EngineStats()
+        self._logged = (time.monotonic(), 0, 0)  # time, prompt and generated tokens of the last stats line
         # Sequences accepted by handlers and not yet finished (event-loop thread only).
         self.num_pending = 0
         self.num_rejected = 0
@@ -155,6 +159,7 @@ class EngineLoop:
                 logger.exception("engine loop iteration failed")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
             self._update_stats()
+            self._log_stats()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -245,6 +250,49 @@ class EngineLoop:
         )
 
 
+    def _log_stats(self) -> None:
+        """vLLM's periodic line: the queue, cache use and throughput since the previous line; quiet while idle."""
+        if self.stats_interval <= 0:
+            return
+        now = time.monotonic()
+        since, prompt_before, generated_before = self._logged
+        elapsed = now - since
+        if elapsed < self.stats_interval:
+            return
+        st = self.stats
+        prompt, generated = st.prompt_tokens_total - prompt_before, st.generation_tokens_total - generated_before
+        self._logged = (now, st.prompt_tokens_total, st.generation_tokens_total)
+        if not (prompt or generated or st.running or st.waiting):
+            return
+        logger.info("%s", stats_line(st, self.num_pending, prompt / elapsed, generated / elapsed))
+
+
+def stats_line(st: EngineStats, pending: int, prompt_rate: float, generation_rate: float) -> str:
+    kv = 100.0 * st.kv_blocks_used / max(st.kv_blocks_total, 1)
+    state = f", state slots {st.state_slots_used}/{st.state_slots_total}" if st.state_slots_total else ""
+    return (f"running {st.running}, waiting {st.waiting}, pending {pending}; KV cache {kv:.1f}% "
+            f"({st.kv_blocks_used}/{st.kv_blocks_total} blocks){state}; prompt {prompt_rate:.1f} tokens/s, "
+            f"generation {generation_rate:.1f} tokens/s")
+
+
+def startup_summary(engine, cfg, url: str, api_key_required: bool) -> list[str]:
+    """What a deployment runs with, for the first lines of the server log."""
+    fd = engine.fd_config
+    load, sched = fd.load_config, fd.scheduler_config
+    blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
+    slots = engine.scheduler.state_slots
+    state = f", {slots.num_slots} state slots" if slots is not None else ""
+    return [
+        f"model {cfg.model} ({engine.model.name()}), served as {cfg.model_name!r}",
+        f"dtype {load.dtype}, backend {load.backend}, device {load.device}, tensor_parallel_size "
+        f"{fd.parallel_config.tensor_parallel_size}, quantization {fd.quant_config.method or 'none'}",
+        f"limits: max_model_len {sched.max_model_len}, max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens "
+        f"{sched.max_num_batched_tokens}, KV cache {blocks} blocks x {block_size} tokens{state}, "
+        f"max_pending_requests {cfg.max_pending_requests}",
+        f"listening on {url}" + (" (API key required)" if api_key_required else ""),
+    ]
+
+
 def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, update: Update) -> None:
     try:
         loop.call_soon_threadsafe(q.put_nowait, update)
@@ -291,7 +339,7 @@ class OpenAIServer:
 
     def __init__(self, engine, served_model_name: str, model_path: str, max_pending_requests: int = 256,
                  api_key: str | None = None, allowed_local_media_path: str | None = None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, stats_interval: float = 0.0):
         self.engine = engine
         self.limits = (limits or ServerLimits()).resolved(engine.max_model_len)
         self._templates = (TemplateWorkers(timeout_s=self.limits.template_timeout_s)
@@ -304,7 +352,7 @@ class OpenAIServer:
         self.model_path = model_path
         self.api_key = api_key
         self.media_root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
-        self.loop = EngineLoop(engine, max_pending_requests)
+        self.loop = EngineLoop(engine, max_pending_requests, stats_interval)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -701,7 +749,10 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
+            log = logger.error if exc.status >= 500 else logger.info
+            log("%d %s %s: %s", exc.status, request.method, request.url.path, exc.message)
+            headers = {"Retry-After": str(_RETRY_AFTER_S)} if exc.status == 429 else None
+            return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception):
@@ -775,6 +826,7 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             if not self._authorized(dict(scope["headers"]).get(b"authorization")):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+                logger.info("401 %s %s: %s", scope.get("method"), scope["path"], err.message)
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -863,8 +915,9 @@ class _ChoiceState:
                 "total_tokens": self.prompt_tokens + completion}
 
 
-def run_server(server: OpenAIServer, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until interrupted (uvicorn owns the event loop and signal handling)."""
+def run_server(server: OpenAIServer, sock, log_level: str = "info") -> None:
+    """Serve on the bound socket ``sock`` until interrupted (uvicorn owns the event loop and signal handling)."""
     import uvicorn
 
-    uvicorn.run(server.build_app(), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(server.build_app(), log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

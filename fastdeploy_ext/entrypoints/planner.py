@@ -189,7 +189,7 @@ def _quantized_bytes(t: Tensor, numel: int, tp: int, quant, kernel_layout: bool,
     linear layers) counts ``weight_quantize``'s scales, in the activation dtype, over the same groups."""
     in_local = t.shape[1] // tp if t.split == 1 and tp > 1 else t.shape[1]
     out_local = numel // in_local
-    groups = 1 if quant.method == "wint8" else -(-in_local // quant.group_size)
+    groups = 1 if quant.method == "wint8" or quant.group_size == -1 else -(-in_local // quant.group_size)
     return int(numel * _QUANT_BYTES[quant.method]) + groups * out_local * (act_bytes if kernel_layout else 4)
 
 

@@ -36,8 +36,10 @@ def resolve_quant_config(quantization, hf_config: dict, model_cls=None, where: s
     if quantization.method not in ONLINE_METHODS:
         raise ConfigError(f"quantization method {quantization.method!r} is not supported; online methods: "
                           f"{', '.join(ONLINE_METHODS)} (gptq and fp8 checkpoints are detected from config.json)")
-    if not isinstance(quantization.group_size, int) or quantization.group_size < 2 or quantization.group_size % 2:
-        raise ConfigError(f"quantization group_size must be an even int >= 2, got {quantization.group_size!r}")
+    group = quantization.group_size
+    if isinstance(group, bool) or not isinstance(group, int) or not (group == -1 or group >= 2 and group % 2 == 0):
+        raise ConfigError(f"quantization group_size must be -1 (one scale per output channel) or an even int >= 2, "
+                          f"got {group!r}")
     return dataclasses.replace(quantization, skip_modules=tuple(quantization.skip_modules) + model_skip,
                                packed_modules_mapping=packed)
 

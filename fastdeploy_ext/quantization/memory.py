@@ -28,14 +28,16 @@ def describe_weight_bytes(model, rank: int, method) -> str:
             f"{b['quantized']} bytes quantized, {b['full']} bytes full precision)")
 
 
-def linear_bytes(i: int, o: int, method: str | None, group_size: int = 128) -> int:
-    """Bytes of one ``[i, o]`` weight with its scales as the package stores it (bf16 for unquantized)."""
+def linear_bytes(i: int, o: int, method: str | None, group_size: int = -1) -> int:
+    """Bytes of one ``[i, o]`` weight with its scales as the package stores it (bf16 for unquantized);
+    wint4 ``group_size`` -1 is one scale per output channel."""
     if method is None:
         return BF16 * i * o
     if method == "wint8":
         return i * o + FP32 * o
     if method == "wint4":
-        return i * o // 2 + FP32 * math.ceil(i / group_size) * o
+        groups = 1 if group_size == -1 else math.ceil(i / group_size)
+        return i * o // 2 + FP32 * groups * o
     raise ValueError(f"no byte model for method {method!r}")
 
 
@@ -59,7 +61,7 @@ def qwen2_linears(cfg: dict) -> list[tuple]:
             (n, inter, h, "row")]
 
 
-def linear_bytes_per_rank(linears: list[tuple], method: str | None, tp: int, group_size: int = 128) -> int:
+def linear_bytes_per_rank(linears: list[tuple], method: str | None, tp: int, group_size: int = -1) -> int:
     total = 0
     for count, i, o, split in linears:
         i_r, o_r = (i, o // tp) if split == "col" else (i // tp, o)
@@ -96,3 +98,21 @@ def midashenglm_other_bytes(tp: int) -> int:
                       + 4 * 1 + 2 * c)
     projector = BF16 * ((e["projector_in"] * h + h * h) // tp + h // tp + h)
     return decoder + encoder + projector
+
+
+def memory_table(minimax_m1_config: dict) -> str:
+    """The Markdown table of docs/quantization.md: GiB per card of MiniMax-M1 and MiDashengLM-7B weights in bf16,
+    wint8 and wint4 (one scale per output channel) at tp 1-8."""
+    gib = 2**30
+    lines = ["| model | tp | rest | bf16: linear / total | wint8: linear / total | wint4: linear / total |",
+             "|---|---|---|---|---|---|"]
+    models = [("MiniMax-M1", minimax_m1_linears(minimax_m1_config), lambda tp: minimax_m1_other_bytes(minimax_m1_config, tp)),
+              ("MiDashengLM-7B", qwen2_linears(MIDASHENGLM_7B_DECODER), midashenglm_other_bytes)]
+    for name, linears, other in models:
+        for tp in (1, 2, 4, 8):
+            rest = other(tp)
+            cells = [f"{linear_bytes_per_rank(linears, m, tp) / gib:.2f} / "
+                     f"{(linear_bytes_per_rank(linears, m, tp) + rest) / gib:.2f}" for m in (None, "wint8", "wint4")]
+            lines.append(f"| {name} | {tp} | {rest / gib:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+

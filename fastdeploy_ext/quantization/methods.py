@@ -275,10 +275,12 @@ class WeightOnlyInt4Method(_WeightOnlyMethod):
 
     def param_specs(self, layer):
         i, o = layer.input_size_per_partition, layer.output_size_per_partition
-        if i % self.group_size or i % 2:
+        # group_size -1: one scale per output channel over the whole row (replicated on row-parallel ranks).
+        g = i if self.group_size == -1 else self.group_size
+        if i % g or i % 2:
             raise ConfigError(f"'{layer.prefix}': wint4 needs the per-rank input width {i} to be a multiple of "
                               f"group_size {self.group_size} (and even); pass a smaller group_size or skip the module")
-        return {"codes": ("weight", [i // 2, o], "uint8"), "scale": ("weight_scale", [i // self.group_size, o], "float32")}
+        return {"codes": ("weight", [i // 2, o], "uint8"), "scale": ("weight_scale", [i // g, o], "float32")}
 
     def pack(self, codes_t):
         return pack_nibbles(codes_t)
@@ -286,7 +288,7 @@ class WeightOnlyInt4Method(_WeightOnlyMethod):
     def dequantize_roles(self, t, dtype="float32"):
         nib = unpack_nibbles_paddle(t["codes"])
         i, o = nib.shape
-        g = self.group_size
+        g = i if self.group_size == -1 else self.group_size
         w = (nib.astype(dtype) - float(INT4_ZERO)).reshape([i // g, g, o]) * t["scale"].astype(dtype).unsqueeze(1)
         return w.reshape([i, o])
 

@@ -47,6 +47,15 @@ def quantize_int4_groups(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np
     return (q + INT4_ZERO).astype(np.uint8).reshape(o, i), scale
 
 
+def quantize_int4_rows(w: np.ndarray, absmax: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel int4 (group_size -1): ``w`` ``[o, i]`` → (nibbles ``[o, i]``, scale ``[o, 1]``); ``absmax``
+    is the row maximum over the whole row when ``w`` holds only some of its columns (a row-parallel rank)."""
+    amax = np.max(np.abs(w), axis=1) if absmax is None else absmax
+    scale = np.where(amax > 0, amax / np.float32(INT4_QMAX), np.float32(1.0)).astype(np.float32)[:, None]
+    q = np.clip(np.rint(w / scale), -INT4_QMAX, INT4_QMAX).astype(np.int16)
+    return (q + INT4_ZERO).astype(np.uint8), scale
+
+
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """Paddle-layout nibbles ``[in, out]`` (values 0..15) → uint8 ``[in/2, out]``: row ``2k`` in the low nibble,
     row ``2k+1`` in the high nibble (the byte order of GPTQ's little-endian int32 words)."""

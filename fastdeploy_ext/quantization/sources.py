@@ -23,6 +23,7 @@ from fastdeploy_ext.quantization.numerics import (
     gptq_unpack_cols,
     gptq_unpack_rows,
     quantize_int4_groups,
+    quantize_int4_rows,
     quantize_int8_rows,
 )
 
@@ -84,17 +85,22 @@ class OnlineInt8Source:
 
 
 class OnlineInt4Source:
-    """A float checkpoint tensor quantized group-wise on slicing (wint4); reads only the sliced rows/columns."""
+    """A float checkpoint tensor quantized group-wise on slicing (wint4); reads only the sliced rows/columns.
+    ``group_size`` -1 is one scale per row: like wint8, a column slice reads the whole rows for their absmax."""
 
     def __init__(self, tensor, group_size: int, what: str):
         self.tensor, self.group, self.what = tensor, group_size, what
         self.shape = shape_of(tensor)
-        if self.shape[-1] % group_size:
+        if group_size != -1 and self.shape[-1] % group_size:
             raise WeightLoadError(f"{what}: input width {self.shape[-1]} is not a multiple of the wint4 group_size "
                                   f"{group_size} (pass a smaller group_size or skip the module)")
 
     def __getitem__(self, idx) -> QuantBlock:
         rows, cols = _index(idx, "OnlineInt4Source")
+        if self.group == -1:
+            full = as_float32(self.tensor[rows, :])
+            codes, scale = quantize_int4_rows(full[:, cols], absmax=np.max(np.abs(full), axis=1))
+            return QuantBlock(codes, scale, np.full_like(scale, INT4_ZERO))
         lo, hi = _bounds(cols, self.shape[1])
         _group_span(lo, hi, self.shape[1], self.group, self.what)
         codes, scale = quantize_int4_groups(as_float32(self.tensor[rows, lo:hi]), self.group)

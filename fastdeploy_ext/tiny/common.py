@@ -28,6 +28,10 @@ class WeightFactory:
 def save_checkpoint(out_dir: str, tensors: dict, dtype: str = "float32", shards: int = 1) -> None:
     """Write ``model.safetensors`` (or ``shards`` files plus ``model.safetensors.index.json``)."""
     os.makedirs(out_dir, exist_ok=True)
+    # Shards or an index of an earlier checkpoint in the same directory would be read with the new one.
+    for fn in os.listdir(out_dir):
+        if fn.endswith(".safetensors") or fn == "model.safetensors.index.json":
+            os.remove(os.path.join(out_dir, fn))
     if dtype == "float32":
         from safetensors.numpy import save_file
 

@@ -64,3 +64,27 @@ def test_device_and_dtype_resolution_on_this_cpu_build(tiny_qwen2_dir):
         == ["host", "device", "device"]
     # The GPU rule (unverified here): a bf16 checkpoint computes in bf16 under "auto".
     assert resolve_dtype("auto", "gpu", "bfloat16") == "bfloat16" and resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+
+
+def test_same_outputs_refuses_runs_that_failed_alike(tiny_qwen2_dir):
+    """Two runs whose every decode step errored agree token for token (one prefill token each); the comparison
+    helper must still refuse them, and a run that stopped early must not pass for one that ran on."""
+    import dataclasses
+
+    from tests.oracle import assert_same_outputs
+
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    refs = llm.generate(["hello", "world"], params, use_tqdm=False)
+    assert_same_outputs(llm.generate(["hello", "world"], params, use_tqdm=False), refs)
+
+    def failed(out):
+        first = dataclasses.replace(out.outputs, token_ids=out.outputs.token_ids[:1],
+                                    logprobs=out.outputs.logprobs[:1], finish_reason="error", error_msg="step failed")
+        return dataclasses.replace(out, outputs=first)
+
+    with pytest.raises(AssertionError):
+        assert_same_outputs([failed(o) for o in refs], [failed(o) for o in refs])
+    shorter = [dataclasses.replace(o, outputs=dataclasses.replace(o.outputs, finish_reason="stop")) for o in refs]
+    with pytest.raises(AssertionError):
+        assert_same_outputs(shorter, refs)

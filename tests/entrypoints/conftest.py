@@ -18,18 +18,21 @@ def free_port() -> int:
 
 
 class Server:
-    """``serve`` with ``args``; ``url`` is ready once ``/health`` answers 200."""
+    """``serve`` with ``args``; ``url`` is ready once ``/health`` answers 200. ``launcher``: the Python arguments
+    that run the CLI (default ``-m fastdeploy_ext.entrypoints.cli``)."""
 
-    def __init__(self, args: list[str], log_path: str, startup_s: float = 90.0):
+    def __init__(self, args: list[str], log_path: str, startup_s: float = 90.0, launcher: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         # `timeout` bounds the server's life even if pytest itself is killed.
-        cmd = ["timeout", "600", sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "serve",
-               "--port", str(self.port), "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "GLOG_minloglevel": "2"})
+        launcher = launcher or ["-m", "fastdeploy_ext.entrypoints.cli"]
+        cmd = ["timeout", "600", sys.executable, *launcher, "serve", "--port", str(self.port), "--log-level",
+               "warning", *args]
+        # The suite's GLOG_minloglevel is not passed on: the server must quiet Paddle itself.
+        env = {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + startup_s
         while True:
             if self.proc.poll() is not None:
@@ -44,9 +47,9 @@ class Server:
                 raise RuntimeError(f"server did not become healthy in {startup_s} s:\n{self.log()}")
             time.sleep(0.2)
 
-    def log(self) -> str:
+    def log(self, tail: int = 5000) -> str:
         with open(self.log_path) as f:
-            return f.read()[-5000:]
+            return f.read()[-tail:]
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples keyed by name plus any label other than model_name."""
@@ -75,9 +78,9 @@ class Server:
 def start_server(tmp_path_factory):
     servers = []
 
-    def start(args: list[str]) -> Server:
+    def start(args: list[str], launcher: list[str] | None = None) -> Server:
         log = str(tmp_path_factory.mktemp("server") / "server.log")
-        servers.append(Server(args, log))
+        servers.append(Server(args, log, launcher=launcher))
         return servers[-1]
 
     yield start

@@ -8,6 +8,7 @@ perturbations scale one weight by 1.01, which moves that layer's output by ~1e-3
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -75,6 +76,9 @@ def test_clean_model_has_no_diverging_layer(tiny, wav, arch, capsys):
     rc, out, rows = run_align(["--model", tiny[arch], "--prompt", PROMPT, *audio_args(arch, wav)], capsys)
     assert rc == 0, out
     assert "no diverging layer" in out
+    # A Markdown table: every row has the header's 7 cells (the pipes of |diff| are escaped).
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert {len(re.split(r"(?<!\\)\|", line.strip().strip("|"))) for line in table} == {7}
     num_layers = {"Qwen2ForCausalLM": 2, "MiDashengLMModel": 2}.get(arch, 8)
     assert list(rows) == ["embed", *map(str, range(num_layers)), "norm"]
     assert max(rows.values()) <= 1e-5, out

@@ -144,7 +144,8 @@ def test_plan_refuses_gpu_weight_only_outside_the_kernel_contract(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("quantization", ["wint8", {"method": "wint4", "group_size": 16}], ids=["wint8", "wint4"])
+@pytest.mark.parametrize("quantization", ["wint8", "wint4", {"method": "wint4", "group_size": 16}],
+                         ids=["wint8", "wint4", "wint4-g16"])
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MiniMaxM1ForCausalLM"])
 def test_planned_quantized_bytes_are_what_the_loaded_model_holds(tmp_path, arch, quantization):
     from fastdeploy_ext import LLM

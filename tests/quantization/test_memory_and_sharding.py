@@ -14,6 +14,7 @@ from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.quantization.memory import (
     MIDASHENGLM_7B_DECODER,
     linear_bytes_per_rank,
+    memory_table,
     minimax_m1_linears,
     model_weight_bytes,
     qwen2_linears,
@@ -37,11 +38,20 @@ def test_real_config_linear_bytes(model, tp):
         linears = qwen2_linears(MIDASHENGLM_7B_DECODER)
     bf16 = linear_bytes_per_rank(linears, None, tp)
     int8 = linear_bytes_per_rank(linears, "wint8", tp)
-    int4 = linear_bytes_per_rank(linears, "wint4", tp, group_size=128)
+    int4 = linear_bytes_per_rank(linears, "wint4", tp)
+    int4_g128 = linear_bytes_per_rank(linears, "wint4", tp, group_size=128)
     print(f"\n{model} tp={tp}: linear bytes per rank bf16 {bf16 / 2**30:.2f} GiB, wint8 {int8 / bf16:.4f}x, "
-          f"wint4 {int4 / bf16:.4f}x")
+          f"wint4 {int4 / bf16:.4f}x (group 128: {int4_g128 / bf16:.4f}x)")
     assert int8 <= 0.53 * bf16
-    assert int4 <= 0.30 * bf16
+    assert int4 < int4_g128 <= 0.30 * bf16
+
+
+def test_docs_memory_table_is_the_byte_model():
+    """docs/quantization.md's per-card table is exactly what memory_table computes from the shapes."""
+    with open(M1_CONFIG) as f:
+        table = memory_table(json.load(f))
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "quantization.md"), encoding="utf-8") as f:
+        assert table in f.read()
 
 
 def test_byte_model_matches_loaded_model(tmp_path):
@@ -49,13 +59,13 @@ def test_byte_model_matches_loaded_model(tmp_path):
     write_tiny("Qwen2ForCausalLM", str(tmp_path), seed=0)
     with open(tmp_path / "config.json") as f:
         cfg = json.load(f)
-    for method, group in (("wint8", 128), ("wint4", 16)):
+    for method, group in (("wint8", -1), ("wint4", 16), ("wint4", -1)):
         model = LLM(model=str(tmp_path), max_model_len=64,
                     quantization={"method": method, "group_size": group}).llm_engine.model
         assert model_weight_bytes(model)["quantized"] == linear_bytes_per_rank(qwen2_linears(cfg), method, 1, group)
 
 
-def _tp_config(tp, rank, method, group=16):
+def _tp_config(tp, rank, method, group):
     return FDConfig(model_config=None, parallel_config=ParallelConfig(tp, rank), quant_config=QuantConfig(method, group))
 
 
@@ -63,8 +73,9 @@ def _params(layer):
     return {n: p.numpy() for n, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize("method", ["wint8", "wint4"])
-def test_rank_shards_equal_sliced_tp1_parameters(method):
+@pytest.mark.parametrize("method,group", [("wint8", -1), ("wint4", 16), ("wint4", -1)],
+                         ids=["wint8", "wint4-g16", "wint4-per-channel"])
+def test_rank_shards_equal_sliced_tp1_parameters(method, group):
     """Column-parallel (QKV, replicated KV heads at tp=4) and row-parallel layers, and MoE experts: rank r's codes and
     scales are the tp=1 ones sliced along their columns (scales replicated where they are per output channel)."""
     rng = np.random.default_rng(0)
@@ -74,7 +85,7 @@ def test_rank_shards_equal_sliced_tp1_parameters(method):
     for tp in (2, 4):
         full = {}
         for rank in [None] + list(range(tp)):
-            fd = _tp_config(1, 0, method) if rank is None else _tp_config(tp, rank, method)
+            fd = _tp_config(1, 0, method, group) if rank is None else _tp_config(tp, rank, method, group)
             qkv = QKVParallelLinear(fd, "qkv", h, heads, kv, d)
             for sid, w in zip("qkv", (q, k, v)):
                 qkv.weight.weight_loader(qkv.weight, w, sid)
@@ -92,11 +103,11 @@ def test_rank_shards_equal_sliced_tp1_parameters(method):
             _check_qkv(full["qkv"], _params(qkv), heads, kv, d, tp, rank)
             r_in = heads * d // tp
             packed = 2 if method == "wint4" else 1
-            group = 16 if method == "wint4" else heads * d
+            per_channel = group == -1
             for name, p in _params(row).items():
                 if name == "weight":
                     np.testing.assert_array_equal(p, full["row"][name][rank * r_in // packed:(rank + 1) * r_in // packed])
-                elif method == "wint8":
+                elif per_channel:
                     np.testing.assert_array_equal(p, full["row"][name])  # per-channel scale of the whole row
                 else:
                     np.testing.assert_array_equal(p, full["row"][name][rank * r_in // group:(rank + 1) * r_in // group])
@@ -108,10 +119,10 @@ def test_rank_shards_equal_sliced_tp1_parameters(method):
                     np.testing.assert_array_equal(p, ref[:, :, cols])
                 elif name == "down_proj_weight":
                     np.testing.assert_array_equal(p, ref[:, rank * n // packed:(rank + 1) * n // packed])
-                elif method == "wint8":
+                elif per_channel:
                     np.testing.assert_array_equal(p, ref)
                 else:
-                    np.testing.assert_array_equal(p, ref[:, rank * n // 16:(rank + 1) * n // 16])
+                    np.testing.assert_array_equal(p, ref[:, rank * n // group:(rank + 1) * n // group])
 
 
 def _check_qkv(full, part, heads, kv, d, tp, rank):

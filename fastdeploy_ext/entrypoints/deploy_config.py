@@ -12,6 +12,9 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     quantization: null                   # null | wint8 | wint4
     max_model_len: 131072
     max_num_seqs: 16
+    enable_prefix_caching: true          # default: on where the model supports it
+    prefix_snapshot_interval: 128        # blocks between recurrent-state snapshots (hybrid models)
+    num_prefix_snapshots: 32             # snapshot pool slots (hybrid models); default 2 * max_num_seqs
     host: 127.0.0.1
     port: 8000
 
@@ -77,6 +80,9 @@ class DeployConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool | None = None
+    prefix_snapshot_interval: int = 128
+    num_prefix_snapshots: int | None = None
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -129,6 +135,11 @@ _SCHEMA = {
     "enable_chunked_prefill": ((bool,), None, "bool"),
     "block_size": ((int,), _positive, "tokens per KV page"),
     "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1", "pages"),
+    "enable_prefix_caching": ((bool, type(None)), None,
+                              "reuse cached prompt prefixes (default: on where the model supports it)"),
+    "prefix_snapshot_interval": ((int,), _positive, "blocks between recurrent-state snapshots (hybrid models)"),
+    "num_prefix_snapshots": ((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0",
+                             "recurrent-state snapshot slots (hybrid models; default 2 * max_num_seqs)"),
     "seed": ((int,), None, "engine seed"),
     "host": ((str,), lambda v: None if v else "must be non-empty", "bind address"),
     "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port"),
@@ -216,4 +227,5 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device=cfg.device, backend=cfg.backend)
+                device=cfg.device, backend=cfg.backend, enable_prefix_caching=cfg.enable_prefix_caching,
+                prefix_snapshot_interval=cfg.prefix_snapshot_interval, num_prefix_snapshots=cfg.num_prefix_snapshots)

@@ -74,6 +74,7 @@ class PrefixBlockManager(BlockManager):
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently freed first
+        self.num_evicted = 0
 
     @property
     def num_free(self) -> int:
@@ -94,6 +95,7 @@ class PrefixBlockManager(BlockManager):
                 break
             block, _ = self._lru.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
+            self.num_evicted += 1
             self._is_free[block] = True
             self._num_free += 1
         blocks = super().allocate(n, after)
@@ -136,16 +138,22 @@ class PrefixBlockManager(BlockManager):
 
 class SnapshotPool:
     """Snapshot slots of the runner's state pool (indices after the live slots): free, registered under a
-    key (evictable, least recently used first), or taken for a save planned this step. Slots a request
-    restores from this step are pinned: no save of the same step may overwrite them."""
+    key, or taken for a save planned this step. Slots a request restores from this step are pinned: no save
+    of the same step may overwrite them.
+
+    Eviction takes the least recently used speculative snapshot (an interval or rolling one nobody resumed
+    from yet) before any shared one (taken at a branch point, or resumed from): those have proven that more
+    than one request passes there, while most speculative ones are never read."""
 
     def __init__(self, slots):
         self._free = deque(slots)
         self._slot_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()
+        self.shared: set[int] = set()
         self.pinned: set[int] = set()
         self.pending: set[int] = set()  # taken for a save, not yet committed
+        self.num_evicted = 0
 
     def lookup(self, key: bytes) -> int | None:
         return self._slot_of.get(key)
@@ -154,25 +162,30 @@ class SnapshotPool:
         return self._key_of.get(slot)
 
     def pin(self, slot: int) -> None:
+        """A request restores ``slot`` this step."""
         self.pinned.add(slot)
+        self.shared.add(slot)
         self._lru.move_to_end(slot)
 
     def take(self) -> int | None:
         if self._free:
             slot = self._free.popleft()
         else:
-            slot = next((s for s in self._lru if s not in self.pinned), None)
+            evictable = [s for s in self._lru if s not in self.pinned]
+            slot = next((s for s in evictable if s not in self.shared), evictable[0] if evictable else None)
             if slot is None:
                 return None
             self.unregister(slot)
+            self.num_evicted += 1
         self.pending.add(slot)
         return slot
 
     def unregister(self, slot: int) -> None:
         del self._slot_of[self._key_of.pop(slot)]
         del self._lru[slot]
+        self.shared.discard(slot)
 
-    def register(self, slot: int, key: bytes) -> bool:
+    def register(self, slot: int, key: bytes, shared: bool = False) -> bool:
         self.pending.discard(slot)
         if key in self._slot_of:
             self._free.append(slot)
@@ -180,6 +193,8 @@ class SnapshotPool:
         self._slot_of[key] = slot
         self._key_of[slot] = key
         self._lru[slot] = None
+        if shared:
+            self.shared.add(slot)
         return True
 
     def begin_step(self) -> None:
@@ -309,7 +324,7 @@ class PrefixCache:
         if end != state.branch and end % self.interval and state.rolling is not None:
             slot, old = state.rolling
             state.rolling = None
-            if self.snapshots.key_of(slot) == old and slot not in self.snapshots.pinned:
+            if self.snapshots.key_of(slot) == old and slot not in self.snapshots.shared:
                 self.snapshots.unregister(slot)
                 self.snapshots.pending.add(slot)
                 return slot
@@ -329,7 +344,7 @@ class PrefixCache:
         if save_slot is None:
             return
         key = self.keys(request, end // bs)[-1]
-        if self.snapshots.register(save_slot, key):
+        if self.snapshots.register(save_slot, key, shared=end == state.branch):
             stats.prefix_snapshots_taken += 1
             if end == state.branch:
                 state.branch = None

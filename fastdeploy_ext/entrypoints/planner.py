@@ -11,8 +11,9 @@ index's names with shapes derived from config.json (the derivation must reproduc
 
 KV cache is counted for softmax-attention layers only (10 of MiniMax-M1's 80), in the cache dtype (the
 compute dtype, as the engine allocates its pages); the state pool is ``[n_linear_layers, heads/tp, head_dim,
-head_dim]`` per sequence in max(float32, compute dtype). The activation peak is an estimate of one
-``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, lightning intermediates and
+head_dim]`` per sequence in max(float32, compute dtype); with prefix caching a hybrid model also holds
+``num_prefix_snapshots`` snapshots of that size (engine/prefix_cache.py). The activation peak is an estimate of
+one ``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, lightning intermediates and
 gathered logits in max(float32, compute dtype)), not a measurement.
 """
 
@@ -125,6 +126,8 @@ class Plan:
     max_seqs_at_length: int
     fits: bool
     reason: str = ""
+    num_snapshots: int = 0
+    snapshot_pool: int = 0
 
     def table(self) -> str:
         c, s = self.cfg, self.shape
@@ -141,6 +144,14 @@ class Plan:
         if s.num_linear_layers:
             lines.append(f"state pool     {s.num_linear_layers} linear-attention layers, {_state_dtype(c)}: "
                          f"{_fmt(self.state_bytes_per_seq)}/sequence/rank; {c.max_num_seqs} slots = {_fmt(self.state_pool)}")
+            if self.num_snapshots:
+                tokens = self.state_bytes_per_seq // max(self.kv_bytes_per_token, 1)
+                lines.append(f"prefix snaps   {self.num_snapshots} slots x {_fmt(self.state_bytes_per_seq)} = "
+                             f"{_fmt(self.snapshot_pool)}/rank (one snapshot = the KV of {tokens:,} tokens/rank); "
+                             f"every {c.prefix_snapshot_interval} blocks, at branch points and each sequence's "
+                             "last block")
+            elif c.enable_prefix_caching is False:
+                lines.append("prefix snaps   none (prefix caching off)")
         lines += [
             f"activation     ~{_fmt(self.activation)} peak (estimate, one step of "
             f"{_batched_tokens(c)} tokens)",
@@ -155,7 +166,7 @@ class Plan:
         return {k: getattr(self, k) for k in ("weights", "weight_breakdown", "kv_bytes_per_token",
                                               "kv_bytes_per_token_tp1", "state_bytes_per_seq", "state_pool",
                                               "activation", "kv_pool", "budget", "length", "max_seqs_at_length",
-                                              "fits", "reason")}
+                                              "fits", "reason", "num_snapshots", "snapshot_pool")}
 
 
 def _fmt(n: float) -> str:
@@ -265,6 +276,10 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
     kv_per_token = shape.num_full_layers * 2 * kv_heads_local * shape.head_dim * kv_dtype_bytes
     state_per_seq = shape.num_linear_layers * (shape.linear_heads // tp) * shape.linear_head_dim ** 2 * accum_bytes
     state_pool = state_per_seq * cfg.max_num_seqs
+    num_snapshots = 0
+    if cfg.enable_prefix_caching is not False and shape.num_linear_layers:
+        num_snapshots = cfg.num_prefix_snapshots if cfg.num_prefix_snapshots is not None else 2 * cfg.max_num_seqs
+    snapshot_pool = num_snapshots * state_per_seq
 
     max_model_len = cfg.max_model_len or min(shape.max_position_embeddings, 32768)
     if max_model_len > shape.max_position_embeddings:
@@ -291,21 +306,23 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
                                           DEFAULT_KV_CACHE_BYTES // max(block_bytes, 1))) * block_bytes
     else:
         # GPU engines give the KV pool whatever the budget leaves (FastDeploy's gpu_memory_utilization rule).
-        kv_pool = max(budget - weights - state_pool - activation, 0) // max(block_bytes, 1) * block_bytes
+        kv_pool = max(budget - weights - state_pool - snapshot_pool - activation, 0) // max(block_bytes, 1) * block_bytes
 
     per_seq = math.ceil(length / cfg.block_size) * block_bytes + state_per_seq
-    free_for_seqs = budget - weights - activation
+    free_for_seqs = budget - weights - activation - snapshot_pool
     max_seqs = max(int(free_for_seqs // per_seq), 0) if per_seq else 0
-    need = weights + state_pool + activation + (kv_pool if cfg.device == "cpu" or cfg.num_kv_blocks else 0)
+    fixed = weights + state_pool + snapshot_pool + activation
+    need = fixed + (kv_pool if cfg.device == "cpu" or cfg.num_kv_blocks else 0)
     one_seq = blocks_per_seq * block_bytes
+    snaps = f" + prefix snapshots {_fmt(snapshot_pool)}" if snapshot_pool else ""
     fits, reason = True, ""
     if need > budget:
-        fits, reason = False, (f"weights {_fmt(weights)} + state pool {_fmt(state_pool)} + activation "
-                               f"{_fmt(activation)}" + (f" + KV pool {_fmt(kv_pool)}" if need > weights + state_pool
-                                                        + activation else "") + f" > budget {_fmt(budget)}")
+        fits, reason = False, (f"weights {_fmt(weights)} + state pool {_fmt(state_pool)}{snaps} + activation "
+                               f"{_fmt(activation)}" + (f" + KV pool {_fmt(kv_pool)}" if need > fixed else "")
+                               + f" > budget {_fmt(budget)}")
     elif kv_pool < one_seq:
         fits, reason = False, (f"the KV pool left ({_fmt(kv_pool)}) cannot hold one sequence of max_model_len "
                                f"{max_model_len:,} ({_fmt(one_seq)}); weights {_fmt(weights)}, state pool "
-                               f"{_fmt(state_pool)}, activation {_fmt(activation)}, budget {_fmt(budget)}")
+                               f"{_fmt(state_pool)}{snaps}, activation {_fmt(activation)}, budget {_fmt(budget)}")
     return Plan(cfg, shape, weights, breakdown, kv_per_token, kv_tp1, state_per_seq, state_pool, activation, kv_pool,
-                budget, length, max_seqs, fits, reason)
+                budget, length, max_seqs, fits, reason, num_snapshots, snapshot_pool)

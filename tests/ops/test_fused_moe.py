@@ -75,13 +75,16 @@ def _torch_args(**change):
     "change, match",
     [
         (lambda a: a.update(x=a["x"].double()), "x must be float32 or bfloat16"),
-        (lambda a: a.update(up_gate_w=a["up_gate_w"][:, :, :63].contiguous()), r"up_gate_w must be \[E, 64, 2 \* inter\]"),
+        (lambda a: a.update(up_gate_w=a["up_gate_w"][:, :, :63].contiguous()),
+         r"up_gate_w must be \[E, 64, 2 \* inter\]"),
         (lambda a: a.update(down_w=a["down_w"][:, :16].contiguous()), r"down_w must be \[4, 32, 64\]"),
         (lambda a: a.update(up_gate_w=a["up_gate_w"].bfloat16()), "float experts must have x's dtype"),
         (lambda a: a.update(up_gate_w=a["up_gate_w"].char()), "both int8 or neither"),
         (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32/int64"),
-        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1].contiguous()), r"topk_weights must be float32/bfloat16 \[5, 2\]"),
-        (lambda a: a.update(down_w=a["down_w"].transpose(1, 2).contiguous().transpose(1, 2)), "down_w must be contiguous"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1].contiguous()),
+         r"topk_weights must be float32/bfloat16 \[5, 2\]"),
+        (lambda a: a.update(down_w=a["down_w"].transpose(1, 2).contiguous().transpose(1, 2)),
+         "down_w must be contiguous"),
         (lambda a: a.update(up_gate_scale=a["x"]), "scales go with int8 experts only"),
         (lambda a: a.update(out=a["x"][:, :8].contiguous()), r"out must be float32 or bfloat16 \[5, 64\]"),
     ],
@@ -105,7 +108,8 @@ def test_int8_needs_float32_scales(monkeypatch):
     from fastdeploy_ext.ops.fused_moe import fused_moe
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    args = _torch_args(up_gate_w=torch.zeros(4, 64, 64, dtype=torch.int8), down_w=torch.zeros(4, 32, 64, dtype=torch.int8))
+    args = _torch_args(up_gate_w=torch.zeros(4, 64, 64, dtype=torch.int8),
+                       down_w=torch.zeros(4, 32, 64, dtype=torch.int8))
     with pytest.raises(ValueError, match=r"int8 experts need up_gate_scale \(float32 \[E, 1, 64\]\)"):
         fused_moe(**args)
     args.update(up_gate_scale=torch.ones(4, 1, 64), down_scale=torch.ones(4, 64))

@@ -146,8 +146,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
                **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
-               SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block, ROUND_BF16=interp and _dtype_name(out) == "bfloat16",
-               num_warps=4)
+               SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block,
+               ROUND_BF16=interp and _dtype_name(out) == "bfloat16", num_warps=4)
     return out
 
 
@@ -157,8 +157,8 @@ def _k_chunk(depth, g):
 
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
-                num_stages=g.num_stages)
+                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
+                num_warps=g.num_warps, num_stages=g.num_stages)
 
 
 def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, down_scale):

@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="MiniMax-M1 and MiDashengLM on a FastDeploy-style PaddlePaddle engine",
     packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*"]),
-    package_data={"fastdeploy_ext": ["ops/*/README.md"]},
+    package_data={"fastdeploy_ext": ["ops/*/README.md", "tiny/templates/*.jinja", "tiny/templates/LICENSE.*"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy",

@@ -120,8 +120,13 @@ def _cmd_serve(args) -> int:
         print(f"error: {cfg.source}: this deployment does not fit: {result.reason}", file=sys.stderr)
         return 2
     engine = LLMEngine(cfg.model, **engine_args(cfg))
+    chat_template = None
+    if cfg.chat_template is not None:
+        with open(cfg.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
     server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
-                          api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path)
+                          api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path,
+                          tool_call_parser=cfg.tool_call_parser, chat_template=chat_template)
     print(f"serving {cfg.model_name!r} on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     run_server(server, cfg.host, cfg.port, log_level=args.log_level)
     return 0

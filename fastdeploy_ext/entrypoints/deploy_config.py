@@ -81,6 +81,9 @@ class DeployConfig:
     api_key: str | None = None
     allowed_local_media_path: str | None = None
     max_pending_requests: int = 256
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
     source: str = "<flags>"
 
     @property
@@ -130,7 +133,19 @@ _SCHEMA = {
     "api_key": ((str, type(None)), None, "bearer token"),
     "allowed_local_media_path": ((str, type(None)), None, "directory file:// media may come from"),
     "max_pending_requests": ((int,), _positive, "sequences before 429"),
+    "tool_call_parser": ((str, type(None)), lambda v: _known(v, "tool"), "tool-call syntax (default: the architecture's)"),
+    "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"), "split <think> into reasoning_content"),
+    "chat_template": ((str, type(None)), lambda v: None if os.path.isfile(v) else "must be an existing file",
+                      "Jinja chat template file replacing the checkpoint's"),
 }
+
+
+def _known(name: str, kind: str):
+    if kind == "tool":
+        from fastdeploy_ext.entrypoints.tool_parsers import tool_parser_names as names
+    else:
+        from fastdeploy_ext.entrypoints.reasoning_parsers import reasoning_parser_names as names
+    return None if name in names() else f"must be one of {', '.join(names())}"
 FIELDS = tuple(_SCHEMA)
 
 
@@ -161,7 +176,7 @@ def build_config(values: dict, where: str, base_dir: str | None = None) -> Deplo
     if "model" not in values or values["model"] is None:
         raise ConfigError(f"{where}: field 'model' is required")
     out = {name: _check_field(name, v, where) for name, v in values.items()}
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "chat_template"):
         if out.get(key) and base_dir is not None:
             out[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(out[key])))
     if out.get("device_memory") is not None:
@@ -195,7 +210,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(values).__name__}")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
-    for key in ("model", "model_info", "allowed_local_media_path"):
+    for key in ("model", "model_info", "allowed_local_media_path", "chat_template"):
         if key in flags:
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
@@ -211,4 +226,4 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device="auto" if cfg.device == "cpu" else cfg.device)
+                device="auto" if cfg.device == "cpu" else cfg.device, reasoning_parser=cfg.reasoning_parser)

@@ -17,6 +17,8 @@ setup(
         "soundfile",
         "soxr",
         "threadpoolctl",
+        # structured outputs and tool_choice enforcement: grammar -> token bitmasks (Rust, NumPy, no torch)
+        "llguidance>=1.9",
     ],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
@@ -36,6 +38,10 @@ setup(
             "uvicorn",
             "openai",
             "httpx",
+            # lm-eval's local-completions loglikelihood/generate_until against the server vs its hf backend
+            "lm-eval[api]==0.4.13",
+            # validates tool-call arguments and structured outputs against their schemas
+            "jsonschema",
         ],
     },
     entry_points={"console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"]},

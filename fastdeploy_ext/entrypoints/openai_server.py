@@ -649,7 +649,7 @@ class OpenAIServer:
             else:
                 lp = self._chat_logprobs(ids, lps, k, as_ids) if k is not None else None
                 reasoning, content, calls = self.chat_format.parse(text, ctx.parse_tools, ctx.opened[i // ctx.n])
-                message = {"role": "assistant", "content": content if content is not None or calls else ""}
+                message = {"role": "assistant", "content": content}
                 if self.chat_format.reasoning_parser is not None:
                     message["reasoning_content"] = reasoning
                 if calls:

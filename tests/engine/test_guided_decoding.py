@@ -190,7 +190,7 @@ def test_llm_chat_tool_choice_required_and_named(tmp_path, arch):
     from fastdeploy_ext.tiny import write_tiny
 
     write_tiny(arch, str(tmp_path), seed=0)
-    llm = LLM(model=str(tmp_path), max_model_len=1024, reasoning_parser="minimax_m1")
+    llm = LLM(model=str(tmp_path), max_model_len=1024)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     messages = [[{"role": "user", "content": f"weather {i}?"}] for i in range(4)]
     outs = llm.chat(messages, sampled(seed=5, max_tokens=400), use_tqdm=False, tools=TOOLS, tool_choice="required")

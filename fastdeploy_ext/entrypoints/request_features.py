@@ -65,7 +65,7 @@ def tools_of(req) -> list[dict] | None:
         d = tool.model_dump(exclude_none=True)
         size = len(json.dumps(d["function"].get("parameters", {})))
         if size > MAX_SCHEMA_BYTES:
-            raise APIError(400, f"tools[{i}].function.parameters is {size} bytes; the limit is {MAX_SCHEMA_BYTES}",
+            raise APIError(400, f"tools.{i}.function.parameters is {size} bytes; the limit is {MAX_SCHEMA_BYTES}",
                            param=f"tools.{i}.function.parameters")
         tools.append(d)
     names = [t["function"]["name"] for t in tools]

@@ -39,7 +39,7 @@ setup(
             "openai",
             "httpx",
             # lm-eval's local-completions loglikelihood/generate_until against the server vs its hf backend
-            "lm-eval[api]==0.4.13",
+            "lm-eval[api,hf]==0.4.13",
             # validates tool-call arguments and structured outputs against their schemas
             "jsonschema",
         ],

@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="MiniMax-M1 and MiDashengLM on a FastDeploy-style PaddlePaddle engine",
     packages=find_packages(include=["fastdeploy_ext", "fastdeploy_ext.*"]),
-    package_data={"fastdeploy_ext": ["ops/*/README.md"]},
+    package_data={"fastdeploy_ext": ["ops/*/README.md", "tiny/templates/*.jinja", "tiny/templates/LICENSE.*"]},
     python_requires=">=3.10",
     install_requires=[
         "numpy",
@@ -20,6 +20,8 @@ setup(
         # `serve` is a documented subcommand: the server packages belong to the main install.
         "fastapi",
         "uvicorn",
+        # structured outputs and tool_choice enforcement: grammar -> token bitmasks (Rust, NumPy, no torch)
+        "llguidance>=1.9",
     ],
     extras_require={
         "cpu": ["paddlepaddle==3.3.1"],
@@ -37,6 +39,10 @@ setup(
             "openai",
             "httpx",
             "schemathesis==4.32.5",
+            # lm-eval's local-completions loglikelihood/generate_until against the server vs its hf backend
+            "lm-eval[api,hf]==0.4.13",
+            # validates tool-call arguments and structured outputs against their schemas
+            "jsonschema",
         ],
     },
     entry_points={"console_scripts": ["fastdeploy-ext=fastdeploy_ext.entrypoints.cli:main"]},

@@ -30,14 +30,15 @@ from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
 from fastdeploy_ext.engine.request import Request
-from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
+from fastdeploy_ext.engine.guided_decoding import GuidedDecoder, apply_token_bitmask
+from fastdeploy_ext.engine.sampler import apply_logit_bias, log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.engine.stop_strings import StopMatcher
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
-from fastdeploy_ext.ops.host.host_threads import set_host_threads
+from fastdeploy_ext.ops.host.host_threads import host_threads, set_host_threads
 
 logger = logging.getLogger("fastdeploy_ext")
 
@@ -71,6 +72,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None  # None: on where the model supports it (engine/prefix_cache.py)
     prefix_snapshot_interval: int = 128  # blocks between recurrent-state snapshots (hybrid models)
     num_prefix_snapshots: int | None = None  # snapshot pool slots (hybrid models); None: 2 * max_num_seqs
+    reasoning_parser: str | None = None  # its think tags bound where guided decoding starts
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -323,6 +325,35 @@ class LLMEngine:
         self._siblings: dict[str, list[str]] = {}  # id given to add_request (n > 1) -> its sibling ids
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
         self.eos_token_ids = sorted(eos)
+        self.reasoning_parser = None
+        if args.reasoning_parser is not None:
+            from fastdeploy_ext.engine.reasoning_parsers import get_reasoning_parser
+
+            self.reasoning_parser = get_reasoning_parser(args.reasoning_parser)
+        self._guided: GuidedDecoder | None = None
+
+    @property
+    def guided(self) -> GuidedDecoder:
+        """The grammar compiler and mask filler for this engine's tokenizer (built on first use)."""
+        if self._guided is None:
+            rp = self.reasoning_parser
+            specials = {self.tokenizer.id_to_token(i): i for i in self.tokenizer.all_special_ids}
+            self._guided = GuidedDecoder(self.tokenizer.to_json_str(), self.vocab_size, self.eos_token_ids,
+                                         think_tags=(rp.start_tag, rp.end_tag) if rp is not None else None,
+                                         special_ids=specials, num_threads=host_threads())
+        return self._guided
+
+    def reasoning_open(self, token_ids: list[int]) -> bool:
+        """The prompt ends inside a reasoning section (its template opened ``<think>``)."""
+        rp = self.reasoning_parser
+        if rp is None:
+            return False
+        tail = self.tokenizer.decode(token_ids[-8:], skip_special_tokens=False)
+        return rp.prompt_opens_reasoning(tail)
+
+    def compile_guided(self, params: SamplingParams, token_ids: list[int]):
+        """A fresh matcher for ``params.guided_decoding`` (``GrammarError`` naming the field if invalid)."""
+        return self.guided.compile(params.guided_decoding, self.reasoning_open(token_ids))
 
     def shutdown(self) -> None:
         """Stop tensor-parallel rank processes (no-op at tp == 1)."""
@@ -349,8 +380,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        for name in ("stop_token_ids", "bad_words_token_ids"):
-            ids = getattr(params, name) or []
+        for name in ("stop_token_ids", "bad_words_token_ids", "logit_bias"):
+            ids = list(getattr(params, name) or [])
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"SamplingParams.{name}: token id {max(ids)} outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
@@ -377,6 +408,7 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         prefix = self.scheduler.prefix
         spans = self.model.prefix_cache_spans(multimodal_inputs) if prefix is not None else []
+        matcher = self.compile_guided(params, token_ids) if params.guided_decoding is not None else None
         created = []
         for k in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}_{k}"
@@ -390,6 +422,8 @@ class LLMEngine:
             seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
             req.generator = np.random.default_rng(seed)
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            if matcher is not None:
+                req.matcher = matcher if k == 0 else matcher.deep_copy()
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             self._requests[rid] = req
@@ -401,9 +435,10 @@ class LLMEngine:
             self._siblings[request_id] = [r.request_id for r in created]
         return created
 
-    def _release_forks(self, parent: Request, row: np.ndarray, touched: list) -> None:
+    def _release_forks(self, parent: Request, row: np.ndarray, touched: list, to_sample: list) -> None:
         """Start the siblings waiting on ``parent``'s prefill: copy its prompt's KV pages and state
-        into each sibling's own (or, without room, queue the sibling to compute the prompt itself)."""
+        into each sibling's own (or, without room, queue the sibling to compute the prompt itself);
+        seated siblings sample their first token from ``row`` with the rest of the step."""
         for sib in self._forks.pop(parent.request_id, []):
             if sib.is_finished:
                 continue
@@ -415,11 +450,7 @@ class LLMEngine:
             if parent.prompt_logprobs is not None:
                 sib.prompt_logprobs = list(parent.prompt_logprobs)
             touched.append(sib)
-            try:
-                self._append_token(sib, row)
-            except Exception as e:
-                logger.exception("request %s failed", sib.request_id)
-                self._finish(sib, "error", f"{type(e).__name__}: {e}")
+            to_sample.append((sib, row))
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request; the id given to ``add_request`` also aborts all ``n`` of its siblings."""
@@ -472,7 +503,7 @@ class LLMEngine:
                 self._finish(req, "error", f"model step failed: {type(e).__name__}: {e}")
             return touched
 
-        touched = []
+        touched, to_sample = [], []
         for seq, sample_row, prompt_rows in zip(out.seqs, logits.sample, logits.prompt):
             req = seq.request
             touched.append(req)
@@ -482,13 +513,46 @@ class LLMEngine:
                 req.num_computed_tokens += seq.num_new_tokens
                 self.scheduler.commit(seq)
                 if sample_row is not None:
+                    to_sample.append((req, sample_row))
                     if req.request_id in self._forks:
-                        self._release_forks(req, sample_row, touched)
-                    self._append_token(req, sample_row)
+                        self._release_forks(req, sample_row, touched, to_sample)
             except Exception as e:
                 logger.exception("request %s failed", req.request_id)
                 self._finish(req, "error", f"{type(e).__name__}: {e}")
+        self._sample(to_sample)
         return touched
+
+    def _sample(self, pairs: list) -> None:
+        """Sample one token for each ``(request, raw logits row)``. The rows of all grammar-constrained
+        requests are masked together: one parallel llguidance fill, one masking pass."""
+        live = []
+        for req, row in pairs:
+            if req.is_finished:
+                continue
+            if req.params.max_tokens == 0:  # scoring only: the prompt's logprobs are recorded
+                self._finish(req, "length")
+                continue
+            live.append((req, row))
+        masked = {}
+        guided = [(req, row) for req, row in live if req.matcher is not None]
+        if guided:
+            try:
+                bitmask = self.guided.fill_bitmask([req.matcher for req, _ in guided])
+                rows = np.stack([apply_logit_bias(row, req.params.logit_bias) for req, row in guided])
+                for (req, _), masked_row in zip(guided, apply_token_bitmask(rows, bitmask)):
+                    masked[req.request_id] = masked_row
+            except Exception as e:
+                logger.exception("guided decoding mask failed")
+                for req, _ in guided:
+                    self._finish(req, "error", f"guided decoding: {type(e).__name__}: {e}")
+        for req, row in live:
+            if req.is_finished:
+                continue
+            try:
+                self._append_token(req, row, masked.get(req.request_id))
+            except Exception as e:
+                logger.exception("request %s failed", req.request_id)
+                self._finish(req, "error", f"{type(e).__name__}: {e}")
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: np.ndarray) -> None:
         k = req.params.prompt_logprobs
@@ -501,14 +565,22 @@ class LLMEngine:
             if nxt < len(prompt):
                 req.prompt_logprobs.append(top_logprobs(lps[i], k, prompt[nxt]))
 
-    def _append_token(self, req: Request, row: np.ndarray) -> None:
+    def _append_token(self, req: Request, row: np.ndarray, masked: np.ndarray | None = None) -> None:
+        """Sample from ``masked`` (grammar mask and logit bias applied) or ``row`` with the logit bias;
+        reported logprobs are always those of the raw ``row``."""
         params = req.params
         if np.isnan(row).any():
             raise FloatingPointError("logits contain NaN")
         banned = list(params.bad_words_token_ids or [])
-        if len(req.output_token_ids) < params.min_tokens:
+        if len(req.output_token_ids) < params.min_tokens and req.matcher is None:
+            # With a grammar, the grammar decides when the output may end.
             banned += self.eos_token_ids + params.stop_token_ids
-        token = sample_token(row, params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+        logits = masked if masked is not None else apply_logit_bias(row, params.logit_bias)
+        if req.matcher is not None and not np.isfinite(logits).any():
+            raise ValueError(f"the grammar allows no token here ({req.matcher.get_error() or 'no continuation'})")
+        token = sample_token(logits, params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+        if req.matcher is not None and not req.matcher.consume_token(token):
+            raise ValueError(f"guided decoding rejected token {token}: {req.matcher.get_error()}")
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
         req.output_token_ids.append(token)
@@ -525,6 +597,9 @@ class LLMEngine:
                 return self._finish(req, "stop")
             if params.stop and self._check_stop_strings(req, checked):
                 return self._finish(req, "stop", flush=False)
+        if req.matcher is not None and req.matcher.is_stopped():
+            # The grammar is complete: nothing but an end-of-sequence token could follow.
+            return self._finish(req, "stop")
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return self._finish(req, "length")
         if req.num_tokens >= self.max_model_len:

@@ -28,6 +28,10 @@ class LLM:
     that supports it), ``prefix_snapshot_interval`` (blocks, default 128) and ``num_prefix_snapshots`` (default
     2 * max_num_seqs): docs/architecture.md "Prefix caching". A prompt dict may carry ``"cache_salt"``: cached
     prefixes are shared only among requests with the same salt.
+    checkpoints are recognised from config.json. ``reasoning_parser`` (``"minimax_m1"``, ``"think"``) splits
+    ``<think>`` sections into ``outputs.reasoning_content`` in :meth:`chat` (and guided decoding starts after
+    them); ``tool_call_parser`` (default: the architecture's, e.g. ``"minimax_m1"``, ``"qwen2"``) reads the
+    calls :meth:`chat` returns in ``outputs.tool_calls``; ``chat_template`` replaces the checkpoint's.
     """
 
     def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
@@ -36,7 +40,12 @@ class LLM:
                  dtype: str = "auto", quantization=None, seed: int = 0, device: str = "auto",
                  num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0,
                  enable_prefix_caching: bool | None = None, prefix_snapshot_interval: int = 128,
-                 num_prefix_snapshots: int | None = None):
+                 num_prefix_snapshots: int | None = None,
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 chat_template: str | None = None):
+        from fastdeploy_ext.engine.chat_adapter import ChatFormat
+        from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
+
         self.llm_engine = LLMEngine(
             model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -46,8 +55,12 @@ class LLM:
             rank_heartbeat_timeout_s=rank_heartbeat_timeout_s,
             enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
             num_prefix_snapshots=num_prefix_snapshots,
+            reasoning_parser=reasoning_parser,
         )
         self.tokenizer = self.llm_engine.tokenizer
+        parser = tool_call_parser or default_tool_parser(type(self.llm_engine.model).name())
+        self.chat_format = ChatFormat(self.tokenizer, get_tool_parser(parser) if parser else None,
+                                      self.llm_engine.reasoning_parser, chat_template)
         self._next_id = 0
 
     def shutdown(self) -> None:
@@ -128,19 +141,41 @@ class LLM:
         return processor(self.tokenizer, text, ids, mm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
-        """``messages``: one conversation (a list of ``{"role", "content"}``) or a list of them."""
+             chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+             tools: list[dict] | None = None, tool_choice="auto") -> list[RequestOutput]:
+        """``messages``: one conversation (OpenAI-shaped ``{"role", "content", "tool_calls", "tool_call_id"}``
+        dicts, adapted to the template's shape) or a list of them. ``tools``: OpenAI function tools;
+        ``tool_choice``: ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function":
+        {"name": ...}}`` (the last two enforced by guided decoding). ``outputs.text`` is the content; calls
+        are in ``outputs.tool_calls`` and a reasoning section in ``outputs.reasoning_content``."""
+        from fastdeploy_ext.engine.chat_adapter import ChatFormat
+
+        fmt = self.chat_format
+        if chat_template is not None:
+            fmt = ChatFormat(self.tokenizer, fmt.tool_parser, fmt.reasoning_parser, chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = sampling_params if sampling_params is not None else self.llm_engine.default_sampling_params()
+        constraint = fmt.tool_constraint(tools, tool_choice)
+        if constraint is not None:
+            if params.guided_decoding is not None:
+                raise ValueError("tool_choice 'required' or a named function cannot be combined with guided_decoding")
+            params = params.clone(guided_decoding=constraint)
         prompts = []
         for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
-                                                      chat_template=chat_template, **(chat_template_kwargs or {}))
+            text = fmt.render(conv, tools, **(chat_template_kwargs or {}))
             prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
             audio = _audio_parts(conv, f"conversation {len(prompts)}")
             if audio:
                 prompt["multimodal_data"] = {"audio": audio}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm)
+        for out in outputs:
+            opened = self.llm_engine.reasoning_open(out.prompt_token_ids)
+            reasoning, content, calls = fmt.parse(out.outputs.text, bool(tools) and tool_choice != "none", opened)
+            out.outputs.text = content or ""
+            out.outputs.reasoning_content = reasoning
+            out.outputs.tool_calls = calls
+        return outputs
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine

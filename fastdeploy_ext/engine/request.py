@@ -25,13 +25,27 @@ class RequestMetrics:
 
 
 @dataclass
+class ToolCall:
+    """One function call parsed from a model's output; ``arguments`` is the JSON text the model wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class CompletionOutput:
+    """``text`` is the content: with a reasoning parser the reasoning section is in ``reasoning_content``,
+    with tools (``LLM.chat(tools=...)``) the calls are in ``tool_calls`` and not in ``text``."""
+
     index: int
     token_ids: list[int]
     text: str
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     error_msg: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def logprob(self) -> list[float] | None:
@@ -82,6 +96,7 @@ class Request:
         self.output_text = ""
         self.detokenizer = None
         self.generator = None
+        self.matcher = None  # llguidance matcher of a guided request; host-side, so it survives a preemption
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
         self.cache_salt = cache_salt

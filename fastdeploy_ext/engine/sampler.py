@@ -36,6 +36,16 @@ def top_logprobs(logprobs: np.ndarray, k: int, extra: int | None = None) -> dict
     return out
 
 
+def apply_logit_bias(logits: np.ndarray, bias: dict[int, float] | None) -> np.ndarray:
+    """``logits [V]`` plus OpenAI's ``logit_bias`` (a copy; the row itself when there is no bias)."""
+    if not bias:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    out[ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+    return out
+
+
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
     if params.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))

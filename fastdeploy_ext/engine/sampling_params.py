@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from fastdeploy_ext.engine.guided_decoding import GuidedDecodingParams
+
 
 @dataclass
 class SamplingParams:
@@ -26,8 +28,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     bad_words_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     _MAX_LOGPROBS = 20
+    _MAX_LOGIT_BIAS = 1024
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,8 +64,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
+        # 0 scores the prompt only (prompt_logprobs, the server's echo) and generates nothing.
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            bad("max_tokens", f"must be an int >= 0, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", f"must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -77,6 +83,16 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative ints")
         if any(not isinstance(t, int) or t < 0 for t in self.bad_words_token_ids or []):
             bad("bad_words_token_ids", "must be non-negative ints")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > self._MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must be a dict of at most {self._MAX_LOGIT_BIAS} token id -> bias entries")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or t < 0:
+                    bad("logit_bias", f"keys must be non-negative token ids, got {t!r}")
+                if not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    bad("logit_bias", f"biases must be numbers in [-100, 100], got {b!r} for token {t}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            bad("guided_decoding", f"must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}")
 
     def clone(self, **changes) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}

@@ -287,6 +287,10 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. BOS)."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json_str(self) -> str:
+        """The backend serialized as ``tokenizer.json`` text, added tokens included (for llguidance)."""
+        return self._backend.to_str()
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (a sequence of ints); special tokens are dropped unless asked otherwise."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

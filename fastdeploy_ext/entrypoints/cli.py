@@ -281,10 +281,15 @@ def _cmd_serve(args) -> int:
         from fastdeploy_ext.engine.engine import LLMEngine
         from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server, startup_summary
 
+        chat_template = None
+        if cfg.chat_template is not None:
+            with open(cfg.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
         engine = LLMEngine(cfg.model, **engine_args(cfg))
         server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
                               api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,
-                              limits=server_limits(cfg), stats_interval=cfg.stats_interval)
+                              limits=server_limits(cfg), stats_interval=cfg.stats_interval,
+                              tool_call_parser=cfg.tool_call_parser, chat_template=chat_template)
         host, port = sock.getsockname()[:2]
         for line in startup_summary(engine, cfg, f"http://{host}:{port}/v1", api_key is not None):
             logging.getLogger("fastdeploy_ext.server").info("%s", line)

@@ -101,6 +101,9 @@ class DeployConfig:
     max_tokens_limit: int | None = None
     rank_heartbeat_timeout_s: float = 30.0
     stats_interval: float = 10.0
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
     source: str = "<flags>"
 
     @property
@@ -214,13 +217,28 @@ _SCHEMA = {
                                  "Seconds a tensor-parallel rank may go silent before the engine fails."),
     "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
                        "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
+    "tool_call_parser": ((str, type(None)), lambda v: _known(v, "tool"),
+                         "Tool-call syntax the server reads from the model's output (minimax_m1, qwen2); default: "
+                         "the architecture's."),
+    "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"),
+                         "Split <think> sections into reasoning_content (minimax_m1, think); default: none."),
+    "chat_template": ((str, type(None)), lambda v: None if os.path.isfile(v) else "must be an existing file",
+                      "Jinja chat template file replacing the checkpoint's (e.g. a tool-aware one)."),
 }
 # Fields only a running server reads: `plan` does not offer them as flags.
 SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
                  "trust_request_chat_template", "template_timeout_s", "max_audio_seconds", "max_request_bytes",
                  "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
-                 "rank_heartbeat_timeout_s", "stats_interval")
+                 "rank_heartbeat_timeout_s", "stats_interval", "tool_call_parser", "chat_template")
 CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
+
+
+def _known(name: str, kind: str):
+    if kind == "tool":
+        from fastdeploy_ext.engine.tool_parsers import tool_parser_names as names
+    else:
+        from fastdeploy_ext.engine.reasoning_parsers import reasoning_parser_names as names
+    return None if name in names() else f"must be one of {', '.join(names())}"
 FIELDS = tuple(_SCHEMA)
 
 
@@ -251,7 +269,7 @@ def build_config(values: dict, where: str, base_dir: str | None = None) -> Deplo
     if "model" not in values or values["model"] is None:
         raise ConfigError(f"{where}: field 'model' is required")
     out = {name: _check_field(name, v, where) for name, v in values.items()}
-    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file", "chat_template"):
         if out.get(key) and base_dir is not None:
             out[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(out[key])))
     if out.get("device_memory") is not None:
@@ -285,7 +303,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(values).__name__}")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
-    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file"):
+    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file", "chat_template"):
         if key in flags:
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
@@ -301,7 +319,7 @@ def engine_args(cfg: DeployConfig) -> dict:
                 max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device=cfg.device, backend=cfg.backend,
+                device=cfg.device, backend=cfg.backend, reasoning_parser=cfg.reasoning_parser,
                 rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s),
                 enable_prefix_caching=cfg.enable_prefix_caching, prefix_snapshot_interval=cfg.prefix_snapshot_interval,
                 num_prefix_snapshots=cfg.num_prefix_snapshots)

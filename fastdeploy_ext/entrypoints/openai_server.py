@@ -7,7 +7,8 @@ that thread calls into the engine after start-up, except :meth:`LLMEngine.valida
 only values fixed at construction.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text). Unknown routes and methods get
+OpenAI-shaped 404/405 bodies.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ from urllib.parse import unquote, urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.stop_strings import StopMatcher
 from fastdeploy_ext.entrypoints.limits import RequestBodyGuard, ServerLimits
+from fastdeploy_ext.engine.guided_decoding import GrammarError
+from fastdeploy_ext.engine.chat_adapter import ChatFormat
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,6 +53,7 @@ from fastdeploy_ext.engine.template_sandbox import (
     TemplateWorkers,
     undeclared_variables,
 )
+from fastdeploy_ext.entrypoints.request_features import grammar_error, guided_params_of, logit_bias_of, tools_of
 
 logger = logging.getLogger("fastdeploy_ext.server")
 
@@ -72,6 +77,7 @@ class Update:
     finish_reason: str | None = None
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
+    prompt_logprobs: list | None = None  # with the choice's first update, when the request asked for them
 
 
 @dataclass
@@ -80,6 +86,7 @@ class _Sink:
     queue: asyncio.Queue
     index: int
     sent: int = 0  # output tokens already published
+    published: bool = False
 
 
 @dataclass
@@ -211,8 +218,11 @@ class EngineLoop:
         self._generated += len(new_ids)
         self._rate.append((time.monotonic(), len(new_ids)))
         finish = req.finish_reason if req.is_finished else None
+        prompt_lps = None if sink.published or req.prompt_logprobs is None else list(req.prompt_logprobs)
+        sink.published = True
         _post(sink.loop, sink.queue, Update(sink.index, req.output_text, list(new_ids), list(lps), finish,
-                                            req.error_msg, req.num_cached_tokens))
+                                            req.error_msg, cached_tokens=req.num_cached_tokens,
+                                            prompt_logprobs=prompt_lps))
         if req.is_finished:
             del self._sinks[req.request_id]
             self._finished[finish] = self._finished.get(finish, 0) + 1
@@ -357,7 +367,10 @@ class OpenAIServer:
 
     def __init__(self, engine, served_model_name: str, model_path: str, max_pending_requests: int = 256,
                  api_key: str | None = None, allowed_local_media_path: str | None = None,
-                 limits: ServerLimits | None = None, stats_interval: float = 0.0):
+                 limits: ServerLimits | None = None, stats_interval: float = 0.0,
+                 tool_call_parser: str | None = None, chat_template: str | None = None):
+        from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
+
         self.engine = engine
         self.limits = (limits or ServerLimits()).resolved(engine.max_model_len)
         self._templates = (TemplateWorkers(timeout_s=self.limits.template_timeout_s)
@@ -366,6 +379,10 @@ class OpenAIServer:
         self._counts = {"tokenized_chars": 0, "templates_rendered": 0, "audio_frames_decoded": 0}
         self._counts_lock = threading.Lock()
         self.tokenizer = engine.tokenizer
+        parser = tool_call_parser or default_tool_parser(type(engine.model).name())
+        self.chat_format = ChatFormat(engine.tokenizer, get_tool_parser(parser) if parser else None,
+                                      engine.reasoning_parser, chat_template)
+        self._token_bytes: dict[int, list[int]] = {}
         self.model_name = served_model_name
         self.model_path = model_path
         self.api_key = api_key
@@ -475,7 +492,7 @@ class OpenAIServer:
         except (binascii.Error, ValueError) as e:
             raise APIError(400, f"{where}: audio data is not valid base64 ({e})", param=where) from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest):
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None):
         """Render the chat template (it turns audio parts into the model's placeholders) and run the model's
         multimodal processor, which decodes the audio and expands the placeholders.
         Returns ``(text, ids, multimodal_inputs)``."""
@@ -494,7 +511,7 @@ class OpenAIServer:
                     audios.append(self._decode_audio(self._audio_source(part, where), where))
                 content = [part.model_dump() for part in content]
             messages.append(m.model_dump(exclude_none=True) | {"content": content})
-        text = self._render(req, messages)
+        text = self._render(req, messages, tools)
         ids = self._encode(text, "messages", False)
         if processor is None:
             return text, ids, None
@@ -516,11 +533,11 @@ class OpenAIServer:
         except MemoryError:
             raise APIError(400, f"{where}: the audio is too large to decode", param=where) from None
 
-    def _render(self, req: ChatCompletionRequest, messages: list[dict]) -> str:
+    def _render(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text: the served template in-process, or a client template (top-level ``chat_template``
         or ``chat_template_kwargs.chat_template``, only with --trust-request-chat-template) in a worker
         process killed after template_timeout_s. Both render in the capped sandbox, bounded by
-        max_prompt_chars."""
+        max_prompt_chars, from the messages adapted to the template's shape (``chat_adapter``) and ``tools``."""
         kwargs = dict(req.chat_template_kwargs or {})
         client = [(name, value) for name, value in (("chat_template", req.chat_template),
                                                     ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)))
@@ -535,12 +552,15 @@ class OpenAIServer:
         if template is not None and not isinstance(template, str):
             raise APIError(400, f"'{field}' must be a string", param=field)
         try:
+            messages = self.chat_format.adapt(messages)
+            if tools:
+                kwargs["tools"] = tools
             source, context = self.tokenizer.chat_template_context(
-                messages, req.add_generation_prompt, template)
+                messages, req.add_generation_prompt, template or self.chat_format.chat_template)
             allowed = undeclared_variables(source) - RESERVED_VARIABLES
         except Exception as e:
             raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
-        unknown = sorted(set(kwargs) - allowed)
+        unknown = sorted(set(kwargs) - allowed - {"tools"})
         if unknown:
             raise APIError(400, f"'chat_template_kwargs' key {unknown[0]!r} is not a variable of the chat template "
                                 f"(allowed: {sorted(allowed)})", param="chat_template_kwargs")
@@ -550,7 +570,8 @@ class OpenAIServer:
         try:
             if template is None:
                 return self.tokenizer.apply_chat_template(
-                    messages, req.add_generation_prompt, tokenize=False, max_chars=limit, **kwargs)
+                    messages, req.add_generation_prompt, tokenize=False, chat_template=self.chat_format.chat_template,
+                    max_chars=limit, **kwargs)
             return self._templates.render(source, context, limit)
         except TemplateBusy as e:
             raise APIError(429, str(e), "rate_limit_exceeded") from None
@@ -569,23 +590,55 @@ class OpenAIServer:
             s = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return s
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list[dict], k: int, offset: int) -> dict:
-        tokens = [self._token_str(t) for t in token_ids]
+    def _raw_bytes(self, token_id: int) -> list[int]:
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            b = self._token_bytes[token_id] = list(self.engine.guided.token_bytes(token_id))
+        return b
+
+    def _token_key(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self._token_str(token_id)
+
+    def _top_map(self, d: dict, k: int, as_ids: bool) -> dict[str, float]:
+        """Completions' ``{token string: logprob}``; ids that decode alike keep the larger logprob."""
+        out: dict[str, float] = {}
+        for i, v in _top(d, k):
+            out.setdefault(self._token_key(i, as_ids), v)
+        return out
+
+    def _completion_logprobs(self, token_ids: list[int], lps: list, k: int, offset: int, as_ids: bool,
+                             first_unscored: bool = False) -> dict:
+        """``lps[i]`` is None for a position without logprobs (the first prompt token of an echo)."""
+        tokens = [self._token_key(t, as_ids) for t in token_ids]
         offsets = []
-        for t in tokens:
+        for t in token_ids:
             offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [d[t] for d, t in zip(lps, token_ids)],
-                "top_logprobs": [{self._token_str(i): v for i, v in _top(d, k)} for d in lps],
+            offset += len(self._token_str(t))
+        return {"tokens": tokens,
+                "token_logprobs": [None if d is None else d[t] for d, t in zip(lps, token_ids)],
+                "top_logprobs": [None if d is None else self._top_map(d, k, as_ids) for d in lps],
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
+    def _chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int, as_ids: bool) -> dict:
         def entry(t, v):
-            s = self._token_str(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+            return {"token": self._token_key(t, as_ids), "logprob": v, "bytes": self._raw_bytes(t)}
 
         return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(i, v) for i, v in _top(d, k)]}
                             for d, t in zip(lps, token_ids)]}
+
+    def _prompt_logprobs(self, ids: list[int], lps: list, k: int) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt position ``{id: {"logprob", "rank", "decoded_token"}}`` (the
+        top ``k`` ranked 1..k, plus the prompt's own token), None for the first position."""
+        out = []
+        for d, t in zip(lps, ids):
+            if d is None:
+                out.append(None)
+                continue
+            entries = {str(i): {"logprob": v, "rank": r + 1, "decoded_token": self._token_str(i)}
+                       for r, (i, v) in enumerate(_top(d, k))}
+            entries.setdefault(str(t), {"logprob": d[t], "rank": None, "decoded_token": self._token_str(t)})
+            out.append(entries)
+        return out
 
     async def _updates(self, http_request, q: asyncio.Queue, poll: bool):
         """Yield updates until the caller stops; with ``poll``, raise on client disconnect. The client is
@@ -607,17 +660,40 @@ class OpenAIServer:
             if update is not None:
                 yield update
 
+    def _engine_params(self, req, kind: str, max_tokens, k, prompts, tools):
+        """Sampling params with the request's logit bias, prompt logprobs and grammar; the grammar field."""
+        params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
+        changes = {"logit_bias": logit_bias_of(req, self.engine.vocab_size)}
+        if kind == "completion" and req.echo and k is not None:
+            changes["prompt_logprobs"] = max(k, req.prompt_logprobs or 0)
+        guided, field = guided_params_of(req)
+        if kind == "chat":
+            try:
+                forced = self.chat_format.tool_constraint(tools, _dump(req.tool_choice))
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from None
+            if forced is not None:
+                if guided is not None:
+                    raise APIError(400, f"'{field}' cannot be combined with tool_choice 'required' or a named "
+                                        "function", param=field)
+                guided, field = forced, "tool_choice"
+        changes["guided_decoding"] = guided
+        try:
+            return params.clone(**changes), field
+        except ValueError as e:
+            raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+
     async def run(self, http_request, kind: str, body: bytes):
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
+        tools, tool_choice = None, None
         if kind == "completion":
             req = await asyncio.to_thread(parse_request, CompletionRequest, body)
             self._check_model(req.model)
-            if req.echo:
-                raise APIError(400, "'echo' is not supported", param="echo")
-            if req.suffix:
-                raise APIError(400, "'suffix' is not supported", param="suffix")
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "'best_of' must equal 'n' (no server-side ranking)", param="best_of")
+            if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+                raise APIError(400, "'max_tokens': 0 generates nothing; it needs 'echo' or 'prompt_logprobs'",
+                               param="max_tokens")
             k = req.logprobs
             self._check_stops(req.stop)
             max_tokens = self._cap_max_tokens(req.max_tokens, "max_tokens", default=16)
@@ -630,28 +706,49 @@ class OpenAIServer:
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
             k = (req.top_logprobs or 0) if req.logprobs else None
+            tools = tools_of(req)
+            tool_choice = _dump(req.tool_choice) if req.tool_choice is not None else ("auto" if tools else None)
+            if tools and tool_choice != "none" and self.chat_format.tool_parser is None:
+                raise APIError(400, "tools: this model has no tool-call parser; serve it with --tool-call-parser",
+                               param="tools")
             self._check_stops(req.stop)
             max_tokens = self._cap_max_tokens(
                 max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-            prompts = [await asyncio.to_thread(self._chat_prompt, req)]
+            prompts = [await asyncio.to_thread(self._chat_prompt, req, tools)]
             where = "messages"
-        params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
+            if max_tokens is None and "max_new_tokens" in self.engine.generation_config:
+                # generation_config's default, within what the context leaves
+                room = self.engine.max_model_len - len(prompts[0][1])
+                max_tokens = max(1, min(int(self.engine.generation_config["max_new_tokens"]), room))
+        params, guided_field = self._engine_params(req, kind, max_tokens, k, prompts, tools)
         for text, ids, _ in prompts:
             await asyncio.to_thread(self._validate, ids, params, where)
+        if params.guided_decoding is not None:
+            try:
+                # Off the event loop, bounded in time (GuidedDecoder) and work (llguidance's limits); the
+                # compiled grammar is cached, so the engine thread's own compile is a copy.
+                for _, ids, _ in prompts:
+                    await asyncio.to_thread(self.engine.compile_guided, params, ids)
+            except GrammarError as e:
+                raise grammar_error(e, guided_field) from None
 
         n = params.n
         num_choices = n * len(prompts)
         self._admit(num_choices)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        for who in ("user", "safety_identifier"):
+            if getattr(req, who, None):
+                logger.info("request %s: %s=%r", rid, who, getattr(req, who))
         q: asyncio.Queue = asyncio.Queue()
         for i, (text, ids, mm) in enumerate(prompts):
             self.loop.submit(f"{rid}-{i}", text, ids, params, mm, q, i * n, req.cache_salt)
         sub_ids = [f"{rid}-{i}" for i in range(len(prompts))]
         state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts), n)
-        args = (http_request, q, rid, kind, k, state)
+        ctx = _RequestContext(req, kind, k, prompts, n, tools, tool_choice,
+                              [self.engine.reasoning_open(ids) for _, ids, _ in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._stream(*args, include_usage=include_usage, sub_ids=sub_ids)
+            gen = self._stream(http_request, q, rid, ctx, state, include_usage=include_usage, sub_ids=sub_ids)
             # Enter the generator's try/finally now: if the client leaves before the body is iterated,
             # finalizing the suspended generator still aborts the request.
             first = await gen.__anext__()
@@ -668,7 +765,7 @@ class OpenAIServer:
         errors = [e for e in state.errors if e]
         if errors:
             raise APIError(500, f"generation failed: {errors[0]}", "internal_server_error")
-        return JSONResponse(self._full_response(rid, kind, k, state))
+        return JSONResponse(self._full_response(rid, ctx, state))
 
     def _cap_max_tokens(self, max_tokens: int | None, field: str, default: int | None = None) -> int | None:
         """``max_tokens`` checked against max_tokens_limit; unset, the request's default (OpenAI's 16 for
@@ -688,24 +785,74 @@ class OpenAIServer:
                 self.loop.abort(sid)
         self.loop.num_pending -= state.num_choices
 
-    def _full_response(self, rid: str, kind: str, k, state: "_ChoiceState") -> dict:
-        choices = []
+    def _echo(self, ctx: "_RequestContext", state: "_ChoiceState", i: int) -> tuple[str, dict | None]:
+        """Prompt text and (with ``logprobs``) prompt logprobs of choice ``i`` for ``echo``."""
+        text, ids, _ = ctx.prompts[i // ctx.n]
+        text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+        lp = None
+        if ctx.k is not None:
+            lp = self._completion_logprobs(ids, state.prompt_lps[i] or [None] * len(ids), ctx.k, 0,
+                                           ctx.req.return_tokens_as_token_ids)
+        return text, lp
+
+    def _extras(self, ctx: "_RequestContext", state: "_ChoiceState", i: int) -> dict:
+        """vLLM's per-choice extras: ``prompt_logprobs`` and, with ``return_token_ids``, the token ids."""
+        req, out = ctx.req, {}
+        _, ids, _ = ctx.prompts[i // ctx.n]
+        if req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(ids, state.prompt_lps[i] or [], req.prompt_logprobs)
+        if req.return_token_ids:
+            if ctx.kind == "completion":
+                out["prompt_token_ids"] = list(ids)
+            out["token_ids"] = list(state.tokens[i])
+        return out
+
+    def _finish_reason(self, ctx: "_RequestContext", reason: str | None, has_calls: bool) -> str | None:
+        # OpenAI: "tool_calls" when the model called tools, except for a named tool_choice ("stop").
+        if has_calls and reason == "stop" and not isinstance(ctx.tool_choice, dict):
+            return "tool_calls"
+        return reason
+
+    def _full_response(self, rid: str, ctx: "_RequestContext", state: "_ChoiceState") -> dict:
+        choices, kind, k, as_ids = [], ctx.kind, ctx.k, ctx.req.return_tokens_as_token_ids
         for i in range(state.num_choices):
             ids, lps, text, reason = state.tokens[i], state.lps[i], state.texts[i], state.reasons[i]
             if kind == "completion":
-                lp = self._completion_logprobs(ids, lps, k, 0) if k is not None else None
-                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+                lp = self._completion_logprobs(ids, lps, k, 0, as_ids) if k is not None else None
+                if ctx.req.echo:
+                    prompt_text, prompt_lp = self._echo(ctx, state, i)
+                    if lp is not None:
+                        lp = self._completion_logprobs(ids, lps, k, len(prompt_text), as_ids)
+                        lp = {key: prompt_lp[key] + lp[key] for key in lp}
+                    text = prompt_text + text
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
+                                **self._extras(ctx, state, i)})
             else:
-                lp = self._chat_logprobs(ids, lps, k) if k is not None else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": reason})
-        return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": state.usage()}
+                lp = self._chat_logprobs(ids, lps, k, as_ids) if k is not None else None
+                reasoning, content, calls = self.chat_format.parse(text, ctx.parse_tools, ctx.opened[i // ctx.n])
+                message = {"role": "assistant", "content": content}
+                if self.chat_format.reasoning_parser is not None:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = [{"id": c.id, "type": "function",
+                                              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": self._finish_reason(ctx, reason, bool(calls)),
+                                **self._extras(ctx, state, i)})
+        response = {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
+                    "created": int(time.time()), "model": self.model_name, "choices": choices,
+                    "usage": state.usage()}
+        if kind == "chat" and ctx.req.return_token_ids:
+            response["prompt_token_ids"] = list(ctx.prompts[0][1])
+        return response
 
-    async def _stream(self, http_request, q, rid, kind, k, state: "_ChoiceState", include_usage: bool,
-                      sub_ids: list[str]):
+    async def _stream(self, http_request, q, rid, ctx: "_RequestContext", state: "_ChoiceState",
+                      include_usage: bool, sub_ids: list[str]):
+        kind, k, as_ids = ctx.kind, ctx.k, ctx.req.return_tokens_as_token_ids
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         created = int(time.time())
+        chat_streams = ([self.chat_format.streaming(ctx.parse_tools, ctx.opened[i // ctx.n])
+                         for i in range(state.num_choices)] if kind == "chat" else [])
 
         def event(choices, usage=None) -> str:
             chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -717,29 +864,45 @@ class OpenAIServer:
             if kind == "chat":
                 yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(state.num_choices)])
+            echo_offset = [0] * state.num_choices
             # Starlette cancels this generator when the client disconnects; `finally` aborts the request.
             async for upd in self._updates(http_request, q, poll=False):
                 i = upd.index
                 start_tok = len(state.tokens[i])
-                offset = len(state.texts[i])
+                first = not state.seen[i]
                 delta = state.absorb(upd)
                 if upd.error:
                     err = APIError(500, f"generation failed: {upd.error}", "internal_server_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
+                extras = self._extras(ctx, state, i) if first and ctx.req.prompt_logprobs is not None else {}
+                extras.pop("token_ids", None)
+                if kind == "completion" and first and ctx.req.echo:
+                    prompt_text, prompt_lp = self._echo(ctx, state, i)
+                    echo_offset[i] = len(prompt_text)
+                    yield event([{"index": i, "text": prompt_text, "logprobs": prompt_lp, "finish_reason": None,
+                                  **extras}])
+                    extras = {}
                 new_ids = state.tokens[i][start_tok:]
                 lp = None
                 if k is not None and new_ids:
                     lps = state.lps[i][start_tok:]
-                    lp = (self._completion_logprobs(new_ids, lps, k, offset) if kind == "completion"
-                          else self._chat_logprobs(new_ids, lps, k))
-                if not delta and lp is None and upd.finish_reason is None:
-                    continue
-                if kind == "completion":
-                    choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": upd.finish_reason}
+                    offset = echo_offset[i] + len(state.texts[i]) - len(delta)
+                    lp = (self._completion_logprobs(new_ids, lps, k, offset, as_ids) if kind == "completion"
+                          else self._chat_logprobs(new_ids, lps, k, as_ids))
+                reason = upd.finish_reason
+                if kind == "chat":
+                    chat_delta = chat_streams[i].feed(delta, final=reason is not None)
+                    if not chat_delta and lp is None and reason is None and not extras:
+                        continue
+                    reason = self._finish_reason(ctx, reason, chat_streams[i].num_calls > 0)
+                    choice = {"index": i, "delta": chat_delta, "logprobs": lp, "finish_reason": reason, **extras}
                 else:
-                    choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": upd.finish_reason}
+                    if not delta and lp is None and reason is None and not extras:
+                        continue
+                    choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason, **extras}
+                if reason is not None and ctx.req.return_token_ids:
+                    choice["token_ids"] = list(state.tokens[i])
                 yield event([choice])
                 if state.done:
                     break
@@ -771,6 +934,17 @@ class OpenAIServer:
             log("%d %s %s: %s", exc.status, request.method, request.url.path, exc.message)
             headers = {"Retry-After": str(_RETRY_AFTER_S)} if exc.status == 429 else None
             return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException):
+            if exc.status_code == 404:
+                message = f"Invalid URL ({request.method} {request.url.path})"
+            elif exc.status_code == 405:
+                message = f"Method not allowed ({request.method} {request.url.path})"
+            else:
+                message = str(exc.detail)
+            err = APIError(exc.status_code, message)
+            return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception):
@@ -810,11 +984,19 @@ class OpenAIServer:
                                                      self.loop.num_rejected, counters),
                                      media_type="text/plain; version=0.0.4")
 
+        def model_card() -> dict:
+            return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastdeploy_ext",
+                    "root": self.model_path, "max_model_len": self.engine.max_model_len}
+
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "fastdeploy_ext", "root": self.model_name,
-                                                "max_model_len": self.engine.max_model_len}]}
+            return {"object": "list", "data": [model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str):
+            if model_id != self.model_name:
+                raise APIError(404, f"The model '{model_id}' does not exist", param="model")
+            return model_card()
 
         @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
         async def completions(request: Request):
@@ -888,6 +1070,29 @@ def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(d.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
 
 
+def _dump(value):
+    return value.model_dump(exclude_none=True) if hasattr(value, "model_dump") else value
+
+
+@dataclass
+class _RequestContext:
+    """What building the response needs of the request: ``prompts[i // n]`` is choice i's prompt;
+    ``opened[p]``: prompt p ends inside a reasoning section."""
+
+    req: object
+    kind: str
+    k: int | None
+    prompts: list
+    n: int
+    tools: list | None
+    tool_choice: object
+    opened: list
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
 class _ChoiceState:
     """Per-choice accumulation for one HTTP request; :meth:`absorb` returns the streamable text delta."""
 
@@ -897,6 +1102,8 @@ class _ChoiceState:
         self.prompt_tokens = prompt_tokens
         self.n = n
         self.cached = [0] * num_choices
+        self.seen = [False] * num_choices
+        self.prompt_lps: list[list | None] = [None] * num_choices
         self.tokens = [[] for _ in range(num_choices)]
         self.lps = [[] for _ in range(num_choices)]
         self.texts = [""] * num_choices  # text already released to the client
@@ -911,6 +1118,9 @@ class _ChoiceState:
 
     def absorb(self, upd: Update) -> str:
         i = upd.index
+        self.seen[i] = True
+        if upd.prompt_logprobs is not None:
+            self.prompt_lps[i] = upd.prompt_logprobs
         self.tokens[i].extend(upd.token_ids)
         self.lps[i].extend(upd.logprobs)
         self.cached[i] = upd.cached_tokens

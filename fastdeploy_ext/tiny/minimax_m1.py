@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastdeploy_ext.tiny.common import WeightFactory, save_checkpoint, write_json
-from fastdeploy_ext.tiny.tokenizer import write_tiny_tokenizer
+from fastdeploy_ext.tiny.tokenizer import packaged_chat_template, write_tiny_tokenizer
 
 TINY_MINIMAX = dict(
     hidden_size=64,
@@ -94,7 +94,9 @@ def _common_config(cfg: dict, tok: dict, dtype: str) -> dict:
 
 
 def _write(out_dir: str, seed: int, dtype: str, shards: int, overrides: dict, stacked: bool, make_config) -> dict:
-    tok = write_tiny_tokenizer(out_dir, vocab_size=512, seed=0)
+    # MiniMax-M1's own chat template (content as text parts, its <tool_calls> syntax); the tiny vocabulary
+    # has none of its special tokens, so they are plain text here.
+    tok = write_tiny_tokenizer(out_dir, vocab_size=512, seed=0, chat_template=packaged_chat_template("minimax_m1"))
     cfg = dict(TINY_MINIMAX)
     cfg.update(overrides)
     cfg.setdefault("vocab_size", tok["vocab_size"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastdeploy_ext.tiny.common import WeightFactory, save_checkpoint, write_json
-from fastdeploy_ext.tiny.tokenizer import write_tiny_tokenizer
+from fastdeploy_ext.tiny.tokenizer import packaged_chat_template, write_tiny_tokenizer
 
 TINY_QWEN2 = dict(
     hidden_size=64,
@@ -45,8 +45,9 @@ def qwen2_tensors(cfg: dict, wf: WeightFactory, prefix: str = "model", head_name
 
 
 def write_tiny_qwen2(out_dir: str, seed: int = 0, dtype: str = "float32", shards: int = 1, **overrides) -> dict:
-    """Write a tiny Qwen2ForCausalLM checkpoint to ``out_dir``; returns its config dict."""
-    tok = write_tiny_tokenizer(out_dir, vocab_size=512, seed=0)
+    """Write a tiny Qwen2ForCausalLM checkpoint to ``out_dir``; returns its config dict. Its chat template is
+    ours: ChatML with tool calls (``tiny/templates/qwen2_tools.jinja``)."""
+    tok = write_tiny_tokenizer(out_dir, vocab_size=512, seed=0, chat_template=packaged_chat_template("qwen2_tools"))
     cfg = dict(TINY_QWEN2)
     cfg.update(overrides)
     cfg.setdefault("vocab_size", tok["vocab_size"])

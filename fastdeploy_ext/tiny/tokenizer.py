@@ -97,7 +97,15 @@ def _chat_template(has_audio: bool) -> str:
     )
 
 
-def write_tiny_tokenizer(out_dir, vocab_size: int = 512, special_tokens=None, seed: int = 0) -> dict:
+def packaged_chat_template(name: str) -> str:
+    """A chat template shipped in ``fastdeploy_ext/tiny/templates``: ``qwen2_tools`` (ours: ChatML with
+    tool calls) or ``minimax_m1`` (MiniMax-M1's own template, from its tokenizer_config.json, Apache-2.0)."""
+    with open(os.path.join(os.path.dirname(__file__), "templates", f"{name}.jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+def write_tiny_tokenizer(out_dir, vocab_size: int = 512, special_tokens=None, seed: int = 0,
+                         chat_template: str | None = None) -> dict:
     """Train a byte-level BPE tokenizer offline and write it as an HF tokenizer folder.
 
     Args:
@@ -107,6 +115,8 @@ def write_tiny_tokenizer(out_dir, vocab_size: int = 512, special_tokens=None, se
         special_tokens: extra special tokens appended after ``<|endoftext|>``, ``<|im_start|>``,
             ``<|im_end|>`` (e.g. ``["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]``).
         seed: seed of the generated corpus; the same seed gives byte-identical files.
+        chat_template: template source; default: plain ChatML (with audio placeholders when the audio
+            tokens are among the special tokens).
 
     Returns:
         dict with ``vocab_size`` (total, incl. special tokens), ``eos_token_id`` (``<|im_end|>``),
@@ -160,7 +170,7 @@ def write_tiny_tokenizer(out_dir, vocab_size: int = 512, special_tokens=None, se
         },
         "additional_special_tokens": specials[1:],
         "bos_token": None,
-        "chat_template": _chat_template(has_audio),
+        "chat_template": chat_template if chat_template is not None else _chat_template(has_audio),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",

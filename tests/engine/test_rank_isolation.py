@@ -141,10 +141,11 @@ def test_stopped_rank_is_named_by_its_heartbeat(tiny):
 
 
 def test_a_long_step_keeps_the_heartbeat(tmp_path):
-    """One 8000-token prefill takes ~10 s on two cores, five times the 2 s timeout: Paddle's kernels and
-    gloo release the GIL, so the ranks' heartbeat threads keep beating."""
+    """One 8000-token prefill through 16 layers takes well over 2x the 2 s timeout on two cores (4 layers took
+    2.8-10 s on the shared box): Paddle's kernels and gloo release the GIL, so the ranks' heartbeat threads keep
+    beating."""
     d = str(tmp_path / "wide")
-    write_tiny("Qwen2ForCausalLM", d, seed=0, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+    write_tiny("Qwen2ForCausalLM", d, seed=0, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
     with LLM(model=d, max_model_len=8192, tensor_parallel_size=2, max_num_batched_tokens=8192, num_threads=1,
              rank_heartbeat_timeout_s=2) as llm:

@@ -17,13 +17,14 @@ def server(start_server, tiny_qwen2_dir):
                          "--max-tokens-limit", "8"])
 
 
-def test_no_request_gets_a_server_error(server):
+def test_no_request_gets_a_server_error(server, tmp_path):
     cli = shutil.which("schemathesis")
     assert cli is not None, "schemathesis is in the test extra: pip install -e '.[test]'"
     start = time.monotonic()
     proc = subprocess.run(["timeout", "90", cli, "run", server.url + "/openapi.json", "--checks", "not_a_server_error",
                            "--max-examples", "60", "--generation-database", "none", "--seed", "1", "--workers", "1",
-                           "--request-timeout", "30"], capture_output=True, text=True)
+                           "--request-timeout", "30"], capture_output=True, text=True,
+                          cwd=tmp_path)  # its caches (.schemathesis, .hypothesis) go there, not into the checkout
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "passed" in proc.stdout and " failed" not in proc.stdout.split("Test cases:")[-1]

@@ -18,7 +18,6 @@ Every timed output is checked against ``gmm`` (a broken configuration fails loud
 """
 
 import argparse
-import dataclasses
 import json
 import math
 
@@ -138,13 +137,9 @@ def candidates(tokens):
 
 
 def sweep(run, check, tokens, int8, log):
-    """Coordinate descent: the best up config with the default down, then the best down with it (int8: each
-    candidate also with its codes read as words)."""
+    """Coordinate descent: the best up config with the default down, then the best down with it."""
     base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8)
     ups, downs = candidates(tokens)
-    if int8:
-        ups += [dataclasses.replace(c, int8_words=True) for c in ups]
-        downs += [dataclasses.replace(c, int8_words=True) for c in downs]
     best, best_us = base, None
 
     def trial(cfg):

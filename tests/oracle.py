@@ -109,9 +109,11 @@ def mixed_workload():
 
 def run_mixed_workload(model_dir, **engine_kwargs):
     """The mixed workload through one engine: ``(outputs, scheduler stats, engine)``; with
-    ``max_num_seqs=1`` every prompt runs on its own."""
+    ``max_num_seqs=1`` every prompt runs on its own. Prefix caching is off unless asked for: the
+    batch-invariance and pages-freed checks built on this workload mean "every token computed here"."""
     from fastdeploy_ext import LLM
 
+    engine_kwargs.setdefault("enable_prefix_caching", False)
     llm = LLM(model=model_dir, max_model_len=256, **engine_kwargs)
     prompts, params = mixed_workload()
     if engine_kwargs.get("max_num_seqs") == 1:

@@ -86,12 +86,21 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     # Without an explicit block count the pool is sized so that every sequence can reach max_model_len.
     enable_prefix_caching: bool = False
+    # Recurrent-state snapshots (hybrid models, engine/prefix_cache.py): one every this many blocks of a
+    # sequence, and how many the snapshot pool holds (None: twice max_num_seqs, resolved by the engine).
+    prefix_snapshot_interval: int = 128
+    num_prefix_snapshots: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not isinstance(self.prefix_snapshot_interval, int) or self.prefix_snapshot_interval < 1:
+            raise ConfigError(f"prefix_snapshot_interval must be an int >= 1 (blocks), got {self.prefix_snapshot_interval!r}")
+        if self.num_prefix_snapshots is not None and (not isinstance(self.num_prefix_snapshots, int)
+                                                      or self.num_prefix_snapshots < 0):
+            raise ConfigError(f"num_prefix_snapshots must be an int >= 0, got {self.num_prefix_snapshots!r}")
 
 
 @dataclass

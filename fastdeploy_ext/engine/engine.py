@@ -28,6 +28,7 @@ from fastdeploy_ext.engine import distributed
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
+from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
 from fastdeploy_ext.engine.request import Request
 from fastdeploy_ext.engine.sampler import log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
@@ -67,6 +68,9 @@ class EngineArgs:
     backend: str = "auto"  # "auto" | "host" | "device" (config/base.py resolve_backend)
     # A tensor-parallel rank whose heartbeat is silent this long fails the engine (naming the rank).
     rank_heartbeat_timeout_s: float = 30.0
+    enable_prefix_caching: bool | None = None  # None: on where the model supports it (engine/prefix_cache.py)
+    prefix_snapshot_interval: int = 128  # blocks between recurrent-state snapshots (hybrid models)
+    num_prefix_snapshots: int | None = None  # snapshot pool slots (hybrid models); None: 2 * max_num_seqs
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -151,10 +155,21 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
     batched = args.max_num_batched_tokens
     if batched is None:
         batched = 2048 if args.enable_chunked_prefill else max_model_len
+    prefix_caching = args.enable_prefix_caching
+    if prefix_caching is None:
+        prefix_caching = model_cls.supports_prefix_caching
+    elif prefix_caching and not model_cls.supports_prefix_caching:
+        raise ConfigError(f"enable_prefix_caching: {model_cls.name()} does not support prefix caching")
+    snapshots = args.num_prefix_snapshots
+    if snapshots is None:
+        snapshots = 2 * args.max_num_seqs
     fd_config = FDConfig(
         model_config=model_config,
         parallel_config=ParallelConfig(args.tensor_parallel_size, rank, tp_group),
-        cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks),
+        cache_config=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                                 enable_prefix_caching=bool(prefix_caching),
+                                 prefix_snapshot_interval=args.prefix_snapshot_interval,
+                                 num_prefix_snapshots=snapshots),
         scheduler_config=SchedulerConfig(args.max_num_seqs, batched, args.enable_chunked_prefill, max_model_len),
         quant_config=quant_config,
         load_config=LoadConfig(model_path=args.model, dtype=dtype, device=device, backend=backend),
@@ -201,7 +216,7 @@ def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool 
 
 
 def check_checkpoint_shapes(model_dir: str) -> None:
-    from fastdeploy_ext.entrypoints.planner import config_tensor_shapes
+    from fastdeploy_ext.model_loader.shapes import config_tensor_shapes
     from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating
 
     expected = config_tensor_shapes(load_hf_config(model_dir))
@@ -275,21 +290,31 @@ class LLMEngine:
             per_block = sum(2 * s.num_kv_heads * s.head_dim * elem * block_size for s in self.model.kv_cache_spec())
             affordable = DEFAULT_KV_CACHE_BYTES // max(per_block, 1)
             num_kv_blocks = max(blocks_per_seq, min(max_num_seqs * blocks_per_seq, affordable))
+        cache_config = self.fd_config.cache_config
+        has_state = self.model.state_cache_spec() is not None
+        # Prefix snapshots live in the state pool after the live slots (same tensors, same dtype).
+        num_snapshots = cache_config.num_prefix_snapshots if cache_config.enable_prefix_caching and has_state else 0
+        num_slots = max_num_seqs + num_snapshots
         if tp == 1:
-            self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+            self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, num_slots)
             if self.fd_config.load_config.device == "cpu":
                 sched = self.fd_config.scheduler_config
                 self.runner.warm_up(sched.max_num_batched_tokens, max_num_seqs, self.max_model_len)
         elif launched > 1:
-            self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, max_num_seqs)
+            self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, num_slots)
         else:
             # NCCL on GPUs, gloo on CPU (unverified on GPU here: no machine has Paddle with CUDA).
             backend = "nccl" if self.fd_config.load_config.device == "gpu" else "gloo"
-            self.runner = distributed.DistributedRunner(args, num_kv_blocks, max_num_seqs, backend=backend)
-        has_state = self.model.state_cache_spec() is not None
+            self.runner = distributed.DistributedRunner(args, num_kv_blocks, num_slots, backend=backend)
         state_slots = StateSlotAllocator(max_num_seqs) if has_state else None
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
-        self.scheduler = Scheduler(self.fd_config.scheduler_config, self.block_manager, state_slots)
+        prefix_cache = None
+        if cache_config.enable_prefix_caching:
+            self.block_manager = PrefixBlockManager(num_kv_blocks, block_size)
+            snapshots = SnapshotPool(range(max_num_seqs, num_slots)) if has_state else None
+            prefix_cache = PrefixCache(self.block_manager, snapshots, cache_config.prefix_snapshot_interval)
+        else:
+            self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.scheduler = Scheduler(self.fd_config.scheduler_config, self.block_manager, state_slots, prefix_cache)
         self.vocab_size = model_config.vocab_size
         self._rng = np.random.default_rng(args.seed)
         self._arrivals = 0
@@ -339,21 +364,28 @@ class LLMEngine:
             raise ValueError(f"{where}: prompt_logprobs needs a prompt")
 
     def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                    multimodal_inputs=None) -> list[Request]:
+                    multimodal_inputs=None, cache_salt: str | None = None) -> list[Request]:
         """Queue a prompt; ``n > 1`` creates ``n`` sibling sequences ``<id>_<k>`` whose seeds are
         ``seed + k`` (so sibling k equals a single-sample run with that seed). Only sibling 0 runs the
         prompt; the others are forked from it when its prefill completes (KV pages and recurrent
-        state copied, first token sampled from the same logits)."""
+        state copied, or with prefix caching the full prompt pages shared; first token sampled from the
+        same logits). ``cache_salt``: prefix-cache entries are shared only among requests with the same salt."""
         from fastdeploy_ext.engine.tokenizer import IncrementalDetokenizer
 
         self.validate_prompt(token_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        prefix = self.scheduler.prefix
+        spans = self.model.prefix_cache_spans(multimodal_inputs) if prefix is not None else []
         created = []
         for k in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}_{k}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             req = Request(rid, prompt, token_ids, params, sample_index=k, multimodal_inputs=multimodal_inputs,
-                          arrival_index=self._arrivals, group_id=request_id)
+                          arrival_index=self._arrivals, group_id=request_id, cache_salt=cache_salt)
+            if prefix is not None:
+                req.prefix = prefix.new_state(cache_salt, spans)
             self._arrivals += 1
             seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
             req.generator = np.random.default_rng(seed)
@@ -375,10 +407,11 @@ class LLMEngine:
         for sib in self._forks.pop(parent.request_id, []):
             if sib.is_finished:
                 continue
-            if not self.scheduler.try_fork(parent, sib):
+            shared = self.scheduler.try_fork(parent, sib)
+            if shared is None:
                 self.scheduler.add_request(sib)
                 continue
-            self.runner.fork(parent.block_ids, sib.block_ids, parent.state_slot, sib.state_slot)
+            self.runner.fork(parent.block_ids[shared:], sib.block_ids[shared:], parent.state_slot, sib.state_slot)
             if parent.prompt_logprobs is not None:
                 sib.prompt_logprobs = list(parent.prompt_logprobs)
             touched.append(sib)
@@ -447,6 +480,7 @@ class LLMEngine:
                 if prompt_rows is not None:
                     self._record_prompt_logprobs(req, seq.start, prompt_rows)
                 req.num_computed_tokens += seq.num_new_tokens
+                self.scheduler.commit(seq)
                 if sample_row is not None:
                     if req.request_id in self._forks:
                         self._release_forks(req, sample_row, touched)

@@ -24,14 +24,19 @@ class LLM:
     the device backend otherwise; docs/architecture.md "Backends"), ``rank_heartbeat_timeout_s`` (a rank silent
     this long fails the engine, 30 s by default). ``quantization``: ``"wint8"``, ``"wint4"``, a dict
     ``{"method", "group_size", "skip_modules"}`` or a ``QuantConfig`` (docs/quantization.md); pre-quantized
-    checkpoints are recognised from config.json.
+    checkpoints are recognised from config.json. ``enable_prefix_caching`` (default None: on for every model
+    that supports it), ``prefix_snapshot_interval`` (blocks, default 128) and ``num_prefix_snapshots`` (default
+    2 * max_num_seqs): docs/architecture.md "Prefix caching". A prompt dict may carry ``"cache_salt"``: cached
+    prefixes are shared only among requests with the same salt.
     """
 
     def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
                  dtype: str = "auto", quantization=None, seed: int = 0, device: str = "auto",
-                 num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0):
+                 num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0,
+                 enable_prefix_caching: bool | None = None, prefix_snapshot_interval: int = 128,
+                 num_prefix_snapshots: int | None = None):
         self.llm_engine = LLMEngine(
             model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -39,6 +44,8 @@ class LLM:
             dtype=dtype, quantization=quantization, seed=seed, device=device, num_threads=num_threads,
             backend=backend,
             rank_heartbeat_timeout_s=rank_heartbeat_timeout_s,
+            enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
+            num_prefix_snapshots=num_prefix_snapshots,
         )
         self.tokenizer = self.llm_engine.tokenizer
         self._next_id = 0
@@ -99,15 +106,18 @@ class LLM:
                     # A multimodal model also checks text-only prompts (e.g. for stray media placeholders).
                     text, ids, mm = self._process_multimodal(text, ids, mm)
                 self.llm_engine.validate_prompt(ids, params)
+                salt = item.get("cache_salt")
+                if salt is not None and not isinstance(salt, str):
+                    raise TypeError("'cache_salt' must be a str")
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-            prepared.append((text, ids, params, mm))
+            prepared.append((text, ids, params, mm, salt))
 
         order = []
-        for text, ids, params, mm in prepared:
+        for text, ids, params, mm, salt in prepared:
             rid = str(self._next_id)
             self._next_id += 1
-            order.extend(r.request_id for r in self.llm_engine.add_request(rid, text, ids, params, mm))
+            order.extend(r.request_id for r in self.llm_engine.add_request(rid, text, ids, params, mm, cache_salt=salt))
         finished = self._run(len(order), use_tqdm)
         return [finished[rid] for rid in order]
 

@@ -52,13 +52,14 @@ class ModelRunner:
         return sum(int(p.numel()) * p.element_size() for p in self.state_pool or [])
 
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        for pool in self.state_pool or []:
-            pool[dst_slot] = pool[src_slot]
+        if self.state_pool is not None:
+            self.backend.copy_state(self.state_pool, [src_slot], [dst_slot])
 
     def fork(self, src_blocks, dst_blocks, src_slot, dst_slot) -> None:
         """Copy the KV pages ``src_blocks[:len(dst_blocks)]`` into ``dst_blocks`` and the recurrent
         state ``src_slot`` into ``dst_slot`` (an ``n > 1`` sibling starts from its parent's prompt)."""
-        self.backend.copy_pages(self.caches, src_blocks, dst_blocks)
+        if len(dst_blocks):
+            self.backend.copy_pages(self.caches, src_blocks, dst_blocks)
         if self.state_pool is not None:
             self.copy_state(src_slot, dst_slot)
 
@@ -119,7 +120,7 @@ class ModelRunner:
             block_tables[b, : len(s.block_ids)] = s.block_ids
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
 
-        slot_ids = None
+        slot_ids, saves = None, []
         if self.state_pool is not None:
             slot_ids = np.array([s.state_slot for s in ordered], np.int64)
             num_slots = self.state_pool[0].shape[0]
@@ -130,6 +131,11 @@ class ModelRunner:
             if fresh:
                 # A sequence starting at position 0 (new, or recomputing after preemption) starts from zero state.
                 self.backend.zero_state(self.state_pool, fresh)
+            restores = [(s.restore_slot, s.state_slot) for s in ordered if s.restore_slot is not None]
+            if restores:
+                # A sequence resuming from the prefix cache starts from the snapshot at its resume position.
+                self.backend.copy_state(self.state_pool, [a for a, _ in restores], [b for _, b in restores])
+            saves = [(s.state_slot, s.save_slot) for s in ordered if s.save_slot is not None]
 
         rows, sample_at, prompt_at = [], {}, {}
         for b, s in enumerate(ordered):
@@ -163,6 +169,8 @@ class ModelRunner:
         )
         self.backend.init_attention_metadata(meta)
         hidden = self.model(meta.ids_remove_padding, meta)
+        if saves:
+            self.backend.copy_state(self.state_pool, [a for a, _ in saves], [b for _, b in saves])
 
         logits = None
         if rows:
@@ -193,6 +201,8 @@ class SeqInput:
     prompt_logits: bool  # logits of these prompt positions are wanted (prompt_logprobs)
     completes: bool  # the last row's logits are sampled from
     multimodal_inputs: Any = None
+    restore_slot: int | None = None  # prefix snapshot copied into state_slot before the step
+    save_slot: int | None = None  # prefix snapshot state_slot is copied into after the step
 
 
 def make_seq_inputs(seqs: list[ScheduledSeq]) -> list[SeqInput]:
@@ -210,6 +220,8 @@ def make_seq_inputs(seqs: list[ScheduledSeq]) -> list[SeqInput]:
             prompt_logits=r.params.prompt_logprobs is not None and prefill,
             completes=s.completes,
             multimodal_inputs=r.multimodal_inputs if prefill else None,
+            restore_slot=s.restore_slot,
+            save_slot=s.save_slot,
         ))
     return out
 

@@ -61,7 +61,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  sample_index: int = 0, multimodal_inputs: Any = None, arrival_index: int = 0,
-                 group_id: str | None = None):
+                 group_id: str | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.group_id = request_id if group_id is None else group_id  # the id add_request got (n > 1 siblings share it)
         self.prompt = prompt
@@ -84,6 +84,9 @@ class Request:
         self.generator = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0  # prompt tokens resumed from the prefix cache at its first admission
+        self.prefix = None  # engine/prefix_cache.py PrefixState, with prefix caching on
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -114,6 +117,7 @@ class Request:
             finished=self.is_finished,
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
             error_code=500 if self.finish_reason == "error" else 200,
             error_msg=self.error_msg,
         )

@@ -6,6 +6,10 @@ Each step: running sequences first (oldest first), each asking for its remaining
 newest running sequence is preempted: its pages and state slot are freed and it goes back to the
 front of the queue to recompute prompt + generated tokens later. Then, if nothing was preempted,
 waiting requests are admitted while seats (``max_num_seqs``), budget, pages and state slots allow.
+
+With a :class:`PrefixCache` an admitted request first takes the cached prefix it can resume from (pages,
+and for hybrid models the snapshot it restores), chunks end where a snapshot is due, and every step's
+successful sequences index their completed pages (:meth:`Scheduler.commit`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fastdeploy_ext.config.base import SchedulerConfig
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
+from fastdeploy_ext.engine.prefix_cache import PrefixCache
 from fastdeploy_ext.engine.request import Request, RequestStatus
 
 
@@ -22,6 +27,8 @@ from fastdeploy_ext.engine.request import Request, RequestStatus
 class ScheduledSeq:
     request: Request
     num_new_tokens: int
+    restore_slot: int | None = None  # snapshot slot copied into the live state slot before the step
+    save_slot: int | None = None  # snapshot slot the live state is copied into after the step
 
     @property
     def start(self) -> int:
@@ -51,14 +58,19 @@ class SchedulerStats:
     num_queued_steps: int = 0  # steps that left requests waiting
     num_chunked_prefill_steps: int = 0  # steps that ran a partial prompt chunk
     num_forks: int = 0  # n > 1 siblings started from a copy of their parent's prefill
+    prefix_cache_query_tokens: int = 0  # tokens of admitted requests that looked the cache up
+    prefix_cache_hit_tokens: int = 0  # of those, tokens resumed from the cache instead of computed
+    prefix_snapshots_taken: int = 0  # recurrent-state snapshots registered
+    prefix_snapshot_hits: int = 0  # admissions that restored a snapshot
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 state_slots: StateSlotAllocator | None = None):
+                 state_slots: StateSlotAllocator | None = None, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.blocks = block_manager
         self.state_slots = state_slots
+        self.prefix = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -86,22 +98,27 @@ class Scheduler:
         self.free_request(request)
         request.status = RequestStatus.FINISHED
 
-    def try_fork(self, parent: Request, child: Request) -> bool:
-        """Seat ``child`` as running with its own pages (and state slot) for ``parent``'s prompt,
-        which the caller copies; False when there is no seat, page or slot for it."""
+    def try_fork(self, parent: Request, child: Request) -> int | None:
+        """Seat ``child`` as running with pages (and a state slot) for ``parent``'s prompt. With prefix
+        caching the full prompt pages are shared read-only; the caller copies the others (and the state).
+        Returns the number of leading pages shared, or None when there is no seat, page or slot."""
         n = len(parent.prompt_token_ids)
-        need = self.blocks.blocks_needed(0, n)
+        shared = n // self.blocks.block_size if self.prefix is not None else 0
+        need = self.blocks.blocks_needed(shared, n)
         if (len(self.running) >= self.config.max_num_seqs or need > self.blocks.num_free
                 or self.state_slots is not None and self.state_slots.num_free == 0):
-            return False
-        child.block_ids = self.blocks.allocate(need)
+            return None
+        if shared:
+            self.blocks.acquire(parent.block_ids[:shared])
+            child.prefix.num_registered = shared
+        child.block_ids = parent.block_ids[:shared] + self.blocks.allocate(need)
         if self.state_slots is not None:
             child.state_slot = self.state_slots.allocate()
         child.num_computed_tokens = n
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         self.stats.num_forks += 1
-        return True
+        return shared
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -120,10 +137,24 @@ class Scheduler:
         request.block_ids.extend(self.blocks.allocate(need, after=request.block_ids[-1] if request.block_ids else None))
         return True
 
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSeq:
+        seq = ScheduledSeq(request, num_new)
+        if self.prefix is not None:
+            seq.restore_slot = request.prefix.restore
+            seq.save_slot = self.prefix.plan_save(request, request.num_computed_tokens + num_new)
+        return seq
+
+    def commit(self, seq: ScheduledSeq) -> None:
+        """After ``seq``'s step succeeded and its ``num_computed_tokens`` advanced (prefix caching)."""
+        if self.prefix is not None:
+            self.prefix.commit(seq.request, seq.save_slot, self.stats)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
+        if self.prefix is not None:
+            self.prefix.begin_step()
 
         for request in list(self.running):
             if request not in self.running or budget == 0:
@@ -133,24 +164,34 @@ class Scheduler:
                 if not chunked:
                     continue
                 num_new = budget
+            if self.prefix is not None:
+                num_new = self.prefix.cut(request, request.num_computed_tokens, num_new)
             while not self._reserve(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                out.seqs.append(ScheduledSeq(request, num_new))
+                out.seqs.append(self._scheduled(request, num_new))
                 budget -= num_new
 
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            hit = self.prefix.lookup(request) if self.prefix is not None else None
+            start = hit.num_tokens if hit is not None else request.num_computed_tokens
+            num_new = request.num_tokens - start
             if num_new > budget:
                 if not chunked:
                     break
                 num_new = budget
             if self.state_slots is not None and self.state_slots.num_free == 0:
                 break
+            if hit is not None:
+                request.prefix.branch = hit.branch
+                num_new = self.prefix.cut(request, start, num_new)
+                if self.prefix.pages_needed(hit, start + num_new) > self.blocks.num_free:
+                    break
+                self.prefix.admit(request, hit, self.stats)
             if not self._reserve(request, num_new):
                 break
             self.waiting.popleft()
@@ -158,7 +199,7 @@ class Scheduler:
                 request.state_slot = self.state_slots.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.seqs.append(ScheduledSeq(request, num_new))
+            out.seqs.append(self._scheduled(request, num_new))
             budget -= num_new
 
         self.stats.num_steps += 1

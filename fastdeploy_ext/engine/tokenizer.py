@@ -18,7 +18,7 @@ from functools import lru_cache
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from fastdeploy_ext.entrypoints.template_sandbox import compile_template, render
+from fastdeploy_ext.engine.template_sandbox import compile_template, render
 
 logger = logging.getLogger("fastdeploy_ext")
 

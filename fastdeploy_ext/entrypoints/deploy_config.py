@@ -12,6 +12,9 @@ A config names the checkpoint and the engine/server settings (FastDeploy's ``Eng
     quantization: null                   # null | wint8 | wint4 | {method: wint4, group_size: 64}
     max_model_len: 131072
     max_num_seqs: 16
+    enable_prefix_caching: true          # default: on where the model supports it
+    prefix_snapshot_interval: 128        # blocks between recurrent-state snapshots (hybrid models)
+    num_prefix_snapshots: 32             # snapshot pool slots (hybrid models); default 2 * max_num_seqs
     host: 127.0.0.1
     port: 8000
     stats_interval: 10                   # seconds between the server's stats log lines; 0: none
@@ -78,6 +81,9 @@ class DeployConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool | None = None
+    prefix_snapshot_interval: int = 128
+    num_prefix_snapshots: int | None = None
     seed: int = 0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -171,6 +177,14 @@ _SCHEMA = {
     "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
                       "KV-cache pages in the pool; default: max_num_seqs sequences of max_model_len, within "
                       "1 GiB but at least one sequence."),
+    "enable_prefix_caching": ((bool, type(None)), None,
+                              "Reuse the KV pages (and, for hybrid models, recurrent-state snapshots) of prompt "
+                              "prefixes seen before; default: on where the model supports it."),
+    "prefix_snapshot_interval": ((int,), _positive, "KV blocks between the recurrent-state snapshots a hybrid "
+                                 "model takes while prefilling (for prefix caching)."),
+    "num_prefix_snapshots": ((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0",
+                             "Recurrent-state snapshot slots for prefix caching (hybrid models); default: "
+                             "2 x max_num_seqs."),
     "seed": ((int,), None, "Seed of requests that give none."),
     "host": ((str,), lambda v: None if v else "must be non-empty", "Address to listen on (loopback unless told "
              "otherwise)."),
@@ -288,7 +302,9 @@ def engine_args(cfg: DeployConfig) -> dict:
                 enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
                 num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
                 device=cfg.device, backend=cfg.backend,
-                rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s))
+                rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s),
+                enable_prefix_caching=cfg.enable_prefix_caching, prefix_snapshot_interval=cfg.prefix_snapshot_interval,
+                num_prefix_snapshots=cfg.num_prefix_snapshots)
 
 
 API_KEY_ENV = "FASTDEPLOY_EXT_API_KEY"

@@ -41,7 +41,7 @@ from fastdeploy_ext.entrypoints.protocol import (
     parse_request,
     sampling_params_of,
 )
-from fastdeploy_ext.entrypoints.template_sandbox import (
+from fastdeploy_ext.engine.template_sandbox import (
     RESERVED_VARIABLES,
     TemplateBusy,
     TemplateLimitError,
@@ -71,6 +71,7 @@ class Update:
     logprobs: list[dict[int, float]]
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
 
 
 @dataclass
@@ -88,12 +89,15 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
     kv_blocks_total: int = 0
     state_slots_used: int = 0
     state_slots_total: int = 0
     tokens_per_second: float = 0.0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    prefix_cache_query_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
     finished_total: dict = field(default_factory=dict)
 
 
@@ -133,12 +137,12 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, request_id: str, prompt: str | None, token_ids: list[int], params, multimodal_inputs,
-               sink_queue: asyncio.Queue, index_base: int) -> None:
+               sink_queue: asyncio.Queue, index_base: int, cache_salt: str | None = None) -> None:
         """Queue a prompt; its ``params.n`` choices report to ``sink_queue`` as indices
         ``index_base .. index_base + n - 1``. Called on the event loop."""
         loop = asyncio.get_running_loop()
         self._commands.put(("add", request_id, prompt, token_ids, params, multimodal_inputs, loop, sink_queue,
-                            index_base))
+                            index_base, cache_salt))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -175,9 +179,9 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, ids, params, mm, loop, sink_queue, base = cmd
+            _, rid, prompt, ids, params, mm, loop, sink_queue, base, salt = cmd
             try:
-                reqs = self.engine.add_request(rid, prompt, ids, params, mm)
+                reqs = self.engine.add_request(rid, prompt, ids, params, mm, cache_salt=salt)
             except Exception as e:
                 for k in range(params.n):
                     _post(loop, sink_queue, Update(base + k, "", [], [], "error", f"{type(e).__name__}: {e}"))
@@ -208,7 +212,7 @@ class EngineLoop:
         self._rate.append((time.monotonic(), len(new_ids)))
         finish = req.finish_reason if req.is_finished else None
         _post(sink.loop, sink.queue, Update(sink.index, req.output_text, list(new_ids), list(lps), finish,
-                                            req.error_msg))
+                                            req.error_msg, req.num_cached_tokens))
         if req.is_finished:
             del self._sinks[req.request_id]
             self._finished[finish] = self._finished.get(finish, 0) + 1
@@ -236,19 +240,22 @@ class EngineLoop:
             self._rate.popleft()
         engine = self.engine
         slots = engine.scheduler.state_slots
+        counters = engine.scheduler.stats
         self.stats = EngineStats(
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
             kv_blocks_used=engine.block_manager.num_used,
+            kv_blocks_cached=getattr(engine.block_manager, "num_cached", 0),
             kv_blocks_total=engine.block_manager.num_blocks,
             state_slots_used=slots.num_used if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
             tokens_per_second=sum(n for _, n in self._rate) / _RATE_WINDOW_S,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generated,
+            prefix_cache_query_tokens_total=counters.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens_total=counters.prefix_cache_hit_tokens,
             finished_total=dict(self._finished),
         )
-
 
     def _log_stats(self) -> None:
         """vLLM's periodic line: the queue, cache use and throughput since the previous line; quiet while idle."""
@@ -270,9 +277,12 @@ class EngineLoop:
 def stats_line(st: EngineStats, pending: int, prompt_rate: float, generation_rate: float) -> str:
     kv = 100.0 * st.kv_blocks_used / max(st.kv_blocks_total, 1)
     state = f", state slots {st.state_slots_used}/{st.state_slots_total}" if st.state_slots_total else ""
+    query = st.prefix_cache_query_tokens_total
+    hit_rate = f"{100.0 * st.prefix_cache_hit_tokens_total / query:.1f}%" if query else "n/a"
     return (f"running {st.running}, waiting {st.waiting}, pending {pending}; KV cache {kv:.1f}% "
-            f"({st.kv_blocks_used}/{st.kv_blocks_total} blocks){state}; prompt {prompt_rate:.1f} tokens/s, "
-            f"generation {generation_rate:.1f} tokens/s")
+            f"({st.kv_blocks_used}/{st.kv_blocks_total} blocks in use, {st.kv_blocks_cached} cached free){state}; "
+            f"prompt {prompt_rate:.1f} tokens/s, generation {generation_rate:.1f} tokens/s; prefix cache hit rate "
+            f"{hit_rate} ({st.prefix_cache_hit_tokens_total} of {query} prompt tokens)")
 
 
 def startup_summary(engine, cfg, url: str, api_key_required: bool) -> list[str]:
@@ -315,7 +325,11 @@ def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected:
     metric("fastdeploy_ext_num_requests_running", "gauge", "Sequences in the running batch.", stats.running)
     metric("fastdeploy_ext_num_requests_waiting", "gauge", "Sequences queued in the scheduler.", stats.waiting)
     metric("fastdeploy_ext_num_requests_pending", "gauge", "Sequences accepted by the server and not finished.", pending)
-    metric("fastdeploy_ext_kv_cache_blocks_used", "gauge", "KV-cache pages in use.", stats.kv_blocks_used)
+    metric("fastdeploy_ext_kv_cache_blocks_used", "gauge", "KV-cache pages in use by running sequences.",
+           stats.kv_blocks_used)
+    metric("fastdeploy_ext_kv_cache_blocks_cached", "gauge",
+           "Free KV-cache pages still holding a reusable prefix block (evicted, least recently used first, when "
+           "pages are needed).", stats.kv_blocks_cached)
     metric("fastdeploy_ext_kv_cache_blocks_total", "gauge", "KV-cache pages in the pool.", stats.kv_blocks_total)
     metric("fastdeploy_ext_state_slots_used", "gauge", "Recurrent-state slots in use (hybrid models).",
            stats.state_slots_used)
@@ -324,6 +338,10 @@ def prometheus_text(stats: EngineStats, model_name: str, pending: int, rejected:
            f"Generated tokens per second over the last {_RATE_WINDOW_S:g} s.", f"{stats.tokens_per_second:.3f}")
     metric("fastdeploy_ext_prompt_tokens_total", "counter", "Prompt tokens admitted.", stats.prompt_tokens_total)
     metric("fastdeploy_ext_generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total)
+    metric("fastdeploy_ext_prefix_cache_query_tokens_total", "counter",
+           "Prompt tokens of admitted sequences that looked up the prefix cache.", stats.prefix_cache_query_tokens_total)
+    metric("fastdeploy_ext_prefix_cache_hit_tokens_total", "counter",
+           "Of those, tokens resumed from the prefix cache instead of computed.", stats.prefix_cache_hit_tokens_total)
     for reason, count in sorted(stats.finished_total.items()):
         metric("fastdeploy_ext_requests_finished_total", "counter", "Finished sequences by finish reason.", count,
                f'finish_reason="{reason}"')
@@ -627,9 +645,9 @@ class OpenAIServer:
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         for i, (text, ids, mm) in enumerate(prompts):
-            self.loop.submit(f"{rid}-{i}", text, ids, params, mm, q, i * n)
+            self.loop.submit(f"{rid}-{i}", text, ids, params, mm, q, i * n, req.cache_salt)
         sub_ids = [f"{rid}-{i}" for i in range(len(prompts))]
-        state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts))
+        state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts), n)
         args = (http_request, q, rid, kind, k, state)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -873,10 +891,12 @@ def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
 class _ChoiceState:
     """Per-choice accumulation for one HTTP request; :meth:`absorb` returns the streamable text delta."""
 
-    def __init__(self, num_choices: int, stops: list[str], prompt_tokens: int):
+    def __init__(self, num_choices: int, stops: list[str], prompt_tokens: int, n: int = 1):
         self.num_choices = num_choices
         self.stops = stops
         self.prompt_tokens = prompt_tokens
+        self.n = n
+        self.cached = [0] * num_choices
         self.tokens = [[] for _ in range(num_choices)]
         self.lps = [[] for _ in range(num_choices)]
         self.texts = [""] * num_choices  # text already released to the client
@@ -893,6 +913,7 @@ class _ChoiceState:
         i = upd.index
         self.tokens[i].extend(upd.token_ids)
         self.lps[i].extend(upd.logprobs)
+        self.cached[i] = upd.cached_tokens
         if upd.finish_reason is not None:
             self.reasons[i] = upd.finish_reason
             self.errors[i] = upd.error
@@ -911,8 +932,10 @@ class _ChoiceState:
 
     def usage(self) -> dict:
         completion = sum(len(t) for t in self.tokens)
+        # A prompt's n choices share its prefill: choice 0 of each prompt is the one that ran it.
+        cached = sum(self.cached[i] for i in range(0, self.num_choices, self.n))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def run_server(server: OpenAIServer, sock, log_level: str = "info") -> None:

@@ -53,6 +53,8 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Prefix-cache entries are shared only among requests with the same salt (docs/deployment.md).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
 
 class CompletionRequest(_SamplingFields):

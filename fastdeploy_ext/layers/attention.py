@@ -254,6 +254,12 @@ def zero_slots(pool: paddle.Tensor, slots: list) -> None:
         pool[_index(slots)] = 0.0
 
 
+def copy_slots(pool: paddle.Tensor, src: list, dst: list) -> None:
+    """``pool[dst] = pool[src]`` (prefix snapshots, an ``n > 1`` sibling's state)."""
+    with paddle.no_grad():
+        pool[_index(dst)] = paddle.gather(pool, _index(src))
+
+
 class PaddleAttention:
     """The device backend's attention: Paddle ops only, scores and softmax in max(float32, q's dtype), the
     output in q's dtype. Decodes run as padded batches of similar context lengths; each prefill chunk attends

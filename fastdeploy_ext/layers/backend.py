@@ -27,6 +27,7 @@ class AttentionBackend:
         else:
             cache_ops = attention
         self._copy_rows, self._zero_slots = cache_ops.copy_rows, cache_ops.zero_slots
+        self._copy_slots = cache_ops.copy_slots
 
     def init_attention_metadata(self, forward_meta) -> None:
         """Fill ``forward_meta.attn_metadata`` (paged KV) and ``forward_meta.linear_attn_metadata`` (state slots)."""
@@ -51,3 +52,9 @@ class AttentionBackend:
         """Zero the recurrent states ``slots`` of every lightning layer (a sequence starting at position 0)."""
         for pool in state_pool:
             self._zero_slots(pool, slots)
+
+    def copy_state(self, state_pool, src_slots: list, dst_slots: list) -> None:
+        """Copy the recurrent states ``src_slots`` into ``dst_slots`` in every lightning layer's pool (live
+        slots and prefix snapshots share each pool)."""
+        for pool in state_pool:
+            self._copy_slots(pool, src_slots, dst_slots)

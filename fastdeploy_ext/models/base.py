@@ -55,6 +55,12 @@ class ModelForCausalLM(nn.Layer):
     def state_cache_spec(self) -> StateCacheSpec | None:
         return None
 
+    def prefix_cache_spans(self, multimodal_inputs) -> list:
+        """``(first position, end position, content digest)`` of every non-text input in the prompt, ascending:
+        prefix-cache keys of blocks with such tokens include the digest (token ids alone do not tell two
+        clips apart). Text-only models have none."""
+        return []
+
     supports_prefix_caching = True
     # forward honours ForwardMeta.output_rows: it returns only those rows' hidden states (and may skip
     # the last layer's work for the others).

@@ -3,8 +3,9 @@
 A prompt carries one ``<|AUDIO|>`` placeholder per clip; :meth:`MiDashengLMModel.multimodal_processor` expands each into
 ``N(L)`` audio tokens (wrapped in ``<|audio_bos|>``/``<|audio_eos|>``) and records their prompt positions. During
 prefill the model overwrites the text embeddings at those positions, in order, with the projector's rows. The encoder
-runs once per clip per request: its rows are cached on the request's :class:`AudioInputs`, so later prefill chunks
-and a recompute after preemption reuse them, and they are released with the request. Decode steps never touch audio.
+runs at most once per clip per request: its rows are cached on the request's :class:`AudioInputs`, so later prefill
+chunks and a recompute after preemption reuse them, and they are released with the request. A clip whose whole span
+was resumed from the prefix cache is never encoded. Decode steps never touch audio.
 
 Checkpoint names (spec §7, docs/models/midashenglm.md): ``audio_encoder.*`` (``blocks.{i}``), ``audio_projector.net.{0,2}``,
 ``decoder.model.*``, ``decoder.lm_head``.
@@ -13,7 +14,9 @@ Checkpoint names (spec §7, docs/models/midashenglm.md): ``audio_encoder.*`` (``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import paddle
@@ -100,13 +103,28 @@ class AudioInputs:
     - ``waveforms``: per clip, float32 ``[L_k]`` mono 16 kHz, ``L_k >= 3200`` (shorter clips zero-padded)
     - ``num_tokens``: per clip, ``N(L_k)`` audio tokens
     - ``positions``: int64 ``[sum N]`` prompt indices of the audio tokens, clip after clip (ascending)
-    - ``embeddings``: ``[sum N, hidden]`` projected rows, filled by the first step that needs them
+    - ``clip_rows``: per clip its ``[N_k, hidden]`` projected rows, None until a step needs them
     """
 
     waveforms: list
     num_tokens: list
     positions: np.ndarray
-    embeddings: paddle.Tensor | None = None
+    clip_rows: list | None = None
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """Clip ``k``'s audio tokens are ``positions[offsets[k]:offsets[k + 1]]`` (consecutive prompt positions)."""
+        return np.concatenate([[0], np.cumsum(self.num_tokens)]).astype(np.int64)
+
+    def span(self, k: int) -> tuple:
+        """``[first, end)`` prompt positions of clip ``k``."""
+        return int(self.positions[self.offsets[k]]), int(self.positions[self.offsets[k + 1] - 1]) + 1
+
+    @cached_property
+    def digests(self) -> list:
+        """SHA-256 of each clip's 16 kHz float32 samples (what the encoder reads), for prefix-cache keys."""
+        return [hashlib.sha256(b"16kHz-float32-le" + np.ascontiguousarray(w, "<f4").tobytes()).digest()
+                for w in self.waveforms]
 
 
 class MiDashengLMDecoder(nn.Layer):
@@ -134,9 +152,6 @@ class MiDashengLMModel(ModelForCausalLM):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
     # Kept in full precision under any quantization (spec §8): only the decoder's linears are quantized.
     quant_skip_modules = ("audio_encoder", "audio_projector")
-    # Every clip expands to identical <|AUDIO|> ids: a token-keyed prefix cache would reuse another clip's KV.
-    supports_prefix_caching = False
-
     def __init__(self, fd_config):
         super().__init__(fd_config)
         cfg: MiDashengLMModelConfig = fd_config.model_config
@@ -158,6 +173,13 @@ class MiDashengLMModel(ModelForCausalLM):
     def compute_logits(self, hidden):
         return self.decoder.compute_logits(hidden)
 
+    def prefix_cache_spans(self, multimodal_inputs) -> list:
+        # Every clip expands to identical <|AUDIO|> ids: the keys of blocks holding audio need the clip's content.
+        if not isinstance(multimodal_inputs, AudioInputs):
+            return []
+        audio = multimodal_inputs
+        return [(*audio.span(k), audio.digests[k]) for k in range(len(audio.waveforms))]
+
     def forward(self, ids_remove_padding, forward_meta):
         """``[T]`` ids -> ``[T, hidden]``. Audio rows replace the embeddings of this step's audio tokens;
         ``forward_meta.extra["requests"]`` gives each sequence's request (None or absent: text only)."""
@@ -172,7 +194,8 @@ class MiDashengLMModel(ModelForCausalLM):
 
         Sequence ``b`` covers prompt positions ``[start, start + n)`` with ``start = seq_lens_decoder[b]``; its audio
         positions in that window may start or end mid-clip (chunked prefill). Clips not yet encoded are encoded
-        here, all in one batch.
+        here, all in one batch, except those that end before ``start``: their tokens were computed by an earlier
+        step (which encoded them) or resumed from the prefix cache (so they are never needed).
         """
         requests = forward_meta.extra.get("requests") or []
         windows = []
@@ -187,39 +210,40 @@ class MiDashengLMModel(ModelForCausalLM):
         if not windows:
             return None, None
 
-        pending = {id(audio): audio for _, _, audio, _, _ in windows if audio.embeddings is None}
+        pending = {}
+        for _, start, audio, _, _ in windows:
+            if audio.clip_rows is None:
+                audio.clip_rows = [None] * len(audio.waveforms)
+            for k, rows in enumerate(audio.clip_rows):
+                if rows is None and audio.span(k)[1] > start:
+                    pending[(id(audio), k)] = (audio, k)
         if pending:
             self._encode(list(pending.values()))
         token_index, rows = [], []
         for b, start, audio, lo, hi in windows:
             token_index.append(forward_meta.cu_seqlens_q[b] + audio.positions[lo:hi] - start)
-            rows.append(audio.embeddings[lo:hi])
+            for k, clip in enumerate(audio.clip_rows):
+                first, end = audio.offsets[k], audio.offsets[k + 1]
+                if max(lo, first) < min(hi, end):
+                    rows.append(clip[max(lo, first) - first:min(hi, end) - first])
         return np.concatenate(token_index).astype(np.int64), paddle.concat(rows, axis=0)
 
-    def _encode(self, inputs: list) -> None:
-        """Run frontend, encoder and projector over every clip of ``inputs`` as one padded batch and store each
-        request's first ``N(L_k)`` rows per clip. Each clip's frontend sees only its own samples and the key mask
-        hides the padding, so a clip's rows do not depend on its batch neighbours."""
-        waves = [w for audio in inputs for w in audio.waveforms]
+    def _encode(self, clips: list) -> None:
+        """Run frontend, encoder and projector over the clips ``(AudioInputs, k)`` as one padded batch and store
+        each clip's first ``N(L_k)`` rows. Each clip's frontend sees only its own samples and the key mask hides
+        the padding, so a clip's rows do not depend on its batch neighbours."""
+        waves = [audio.waveforms[k] for audio, k in clips]
         lengths = np.array([w.shape[0] for w in waves], np.int64)
         padded = np.zeros([len(waves), int(lengths.max())], np.float32)
-        for k, w in enumerate(waves):
-            padded[k, : w.shape[0]] = w
+        for i, w in enumerate(waves):
+            padded[i, : w.shape[0]] = w
         hidden, keep = self.audio_encoder(log_mel_spectrogram(padded, lengths, self.audio_encoder.dtype), lengths)
         projected, _ = self.audio_projector(hidden, keep)
-        k = 0
-        for audio in inputs:
-            clips = []
-            for n in audio.num_tokens:
-                if projected.shape[1] < n:
-                    raise ValueError(f"projector gave {projected.shape[1]} rows for a clip that needs {n} audio tokens")
-                clips.append(projected[k, :n])
-                k += 1
-            audio.embeddings = paddle.concat(clips, axis=0)
-            if audio.embeddings.shape[0] != audio.positions.shape[0]:
-                raise ValueError(
-                    f"{audio.embeddings.shape[0]} audio rows for {audio.positions.shape[0]} <|AUDIO|> prompt positions"
-                )
+        for i, (audio, k) in enumerate(clips):
+            n = audio.num_tokens[k]
+            if projected.shape[1] < n:
+                raise ValueError(f"projector gave {projected.shape[1]} rows for a clip that needs {n} audio tokens")
+            audio.clip_rows[k] = projected[i, :n]
 
     def multimodal_processor(self, tokenizer, text, ids, multimodal_data):
         """Load the audio and expand the placeholders: ``(text, ids, mm) -> (text, expanded ids, AudioInputs | None)``.

@@ -171,8 +171,6 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
     # The full-attention layers' fused qkv_proj packs q/k/v_proj (lightning layers store qkv_proj as is);
     # quantization skip lists name checkpoint modules.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    # A cached KV prefix is useless without the lightning state at exactly that position.
-    supports_prefix_caching = False
 
     def __init__(self, fd_config):
         super().__init__(fd_config)

@@ -196,7 +196,7 @@ def test_bad_input_names_the_problem(tiny_qwen2_dir):
 def test_failing_request_does_not_take_down_others(tiny_qwen2_dir, monkeypatch):
     from fastdeploy_ext.engine import engine as engine_mod
 
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_prefix_caching=False)
     prompts = prompts_of([6, 9, 4], 310)
     poisoned = 777
     real = engine_mod.sample_token
@@ -217,7 +217,7 @@ def test_failing_request_does_not_take_down_others(tiny_qwen2_dir, monkeypatch):
 
 
 def test_abort_frees_pages(tiny_qwen2_dir):
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_prefix_caching=False)
     engine = llm.llm_engine
     engine.add_request("a", None, prompts_of([30], 311)[0]["prompt_token_ids"], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()

@@ -20,8 +20,9 @@ def test_stop_string_inside_a_long_new_piece_of_text(tiny_qwen2_dir):
     assert engine._check_stop_strings(req2, checked=6) and req2.output_text == "hell"
 
 
-def test_abort_by_the_submitted_id_aborts_all_n_siblings(tiny_qwen2_dir):
-    llm = LLM(model=tiny_qwen2_dir, max_model_len=128)
+@pytest.mark.parametrize("caching", [False, True], ids=["copied", "shared-pages"])
+def test_abort_by_the_submitted_id_aborts_all_n_siblings(tiny_qwen2_dir, caching):
+    llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_prefix_caching=caching)
     engine = llm.llm_engine
     prompt = random_prompts([20], 501)[0]["prompt_token_ids"]
     reqs = engine.add_request("g", None, prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=50,

@@ -80,7 +80,13 @@ def test_minimax_m1_tp8_bf16_matches_the_hand_calculation():
     assert result.kv_bytes_per_token_tp1 == 40 * 1024  # 10 GQA layers x (K + V) x 8 heads x 128 x bf16
     assert result.kv_bytes_per_token == 5 * 1024
     assert "total_size 912,210,767,872 bytes reproduced as bf16 with fp32 routers" in result.shape.source
-    assert result.max_seqs_at_length == 17  # at 131072 tokens: 640 MiB KV + 35 MiB state per sequence
+    # 16 prefix snapshots of one sequence's state each, in the table with their KV-token equivalent.
+    assert (result.num_snapshots, result.snapshot_pool) == (16, 16 * 35 * MiB)
+    assert "prefix snaps   16 slots x 35.0 MiB = 560.0 MiB/rank (one snapshot = the KV of 7,168 tokens/rank)" \
+        in result.table()
+    # At 131072 tokens: 640 MiB KV + 35 MiB state per sequence, after the snapshots (17 without them).
+    assert result.max_seqs_at_length == 16
+    assert plan(load_config(M1_BF16, {"enable_prefix_caching": False})).max_seqs_at_length == 17
 
 
 def test_minimax_m1_bf16_needs_wint8_on_80gb_cards():

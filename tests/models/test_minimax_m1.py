@@ -150,7 +150,7 @@ def test_batch_invariance_with_preemption(m1_dir, alone):
 
 def test_reused_slots_start_from_zero_state(m1_dir, alone):
     """Three waves through a 2-slot pool: every slot is reused with a previous request's state left in it."""
-    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=2)
+    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=2, enable_prefix_caching=False)
     prompts, params = mixed_workload()
     for wave in range(3):
         picked = list(range(wave * 4, wave * 4 + 4))
@@ -189,9 +189,8 @@ def test_n_samples_equal_single_runs_with_per_sample_seed(m1_dir, seats):
 
 
 def test_caches_only_where_needed(m1_dir):
-    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=3)
+    llm = LLM(model=m1_dir, max_model_len=256, max_num_seqs=3, enable_prefix_caching=False)
     model, runner = llm.llm_engine.model, llm.llm_engine.runner
-    assert model.supports_prefix_caching is False
     assert [i for i, layer in enumerate(model.model.layers) if not layer.is_linear] == [3, 7]
     assert len(runner.caches) == 2  # compact kv_cache_index 0, 1
     assert [layer.self_attn.attn.kv_cache_index for layer in model.model.layers if not layer.is_linear] == [0, 1]

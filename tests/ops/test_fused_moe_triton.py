@@ -22,8 +22,8 @@ RUNNER = os.path.join(os.path.dirname(__file__), "fused_moe_interp_runner.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Interpreter dots are fp32 NumPy products: measured 1e-7 .. 4e-7.
 FP32_TOL = 1e-5
-# bf16 operands are upcast inside the kernel; the act intermediate and the output are bf16, and the interpreter's
-# fp32 -> bf16 stores truncate (1 ulp = 2**-8 relative): measured 2e-3 .. 3e-3.
+# bf16 operands are upcast inside the kernel; the act intermediate, the pair results and the output are bf16
+# (rounded to nearest as on a GPU): measured 2e-3 .. 3e-3.
 BF16_TOL = 8e-3
 
 
@@ -98,12 +98,9 @@ CASES = {
     "bf16_t17_e8_top2": make_case(16, 17, 128, 64, 8, 2, dtype="bfloat16"),
     "bf16_t257_e4_top2": make_case(17, 257, 64, 64, 4, 2, dtype="bfloat16", runs=2),
     "int8_t255_e8_top2": make_case(18, 255, 128, 64, 8, 2, int8=True),
-    # Codes read as int32 words (GemmConfig.int8_words) in both GEMMs.
     "int8_t17_e8_dead_nan": make_case(19, 17, 64, 64, 8, 2, int8=True, dead=(0, 3), runs=2,
-                                      config=_config((16, 32, 32, 2, 8, 4, 3, True), (16, 32, 32, 1, 8, 4, 3, True))),
+                                      config=_config((16, 32, 32, 2), (16, 32, 32, 1))),
     "int8_bf16x_t17_e4_top2": make_case(20, 17, 64, 64, 4, 2, dtype="bfloat16", int8=True),
-    "int8_words_t255_e8_top2": make_case(21, 255, 64, 128, 8, 2, int8=True,
-                                         config=_config((64, 64, 32, 1, 8, 4, 3, True), (64, 64, 64, 1, 8, 4, 3, True))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),

@@ -34,7 +34,9 @@ AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, 
 
 __all__ = ["MIN_SAMPLES", "AudioHeader", "read_audio_header", "load_audio", "pad_to_min_samples", "audio_token_count"]
 
-_INT_SCALE = {np.dtype(np.int16): 1.0 / 32768.0, np.dtype(np.int32): 1.0 / 2147483648.0}
+# PCM integers scaled into [-1, 1); float samples used as they are.
+_SAMPLE_SCALE = {np.dtype(np.int16): 1.0 / 32768.0, np.dtype(np.int32): 1.0 / 2147483648.0,
+                 np.dtype(np.float32): 1.0, np.dtype(np.float64): 1.0}
 
 
 @dataclass(frozen=True)
@@ -141,15 +143,13 @@ def _decode(data, what: str, target_sr: int, max_seconds: float,
 def _to_mono_float(array: np.ndarray, what: str) -> np.ndarray:
     if array.size == 0:
         raise ValueError(f"{what} is empty (shape {array.shape})")
-    if array.dtype in _INT_SCALE:
-        array = array.astype(np.float32) * np.float32(_INT_SCALE[array.dtype])
-    elif array.dtype in (np.float32, np.float64):
-        array = array.astype(np.float32, copy=False)
-    else:
+    scale = _SAMPLE_SCALE.get(array.dtype)
+    if scale is None:
         raise TypeError(
             f"unsupported sample dtype {array.dtype} for {what}; expected int16, int32 (PCM, scaled by 2^-15 / 2^-31), "
             "float32 or float64 (used as is)"
         )
+    array = array.astype(np.float32) * np.float32(scale)
     if array.ndim == 1:
         return array
     if array.ndim != 2:

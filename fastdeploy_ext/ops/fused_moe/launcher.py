@@ -24,8 +24,7 @@ _COMBINE_TOKENS = 4
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
-    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials). ``int8_words``:
-    int8 codes are loaded 4 per int32 word and widened with integer/fp32 adds instead of as a byte tile."""
+    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -34,7 +33,6 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    int8_words: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,17 +55,16 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     if rows <= 2:
         tiles = max_tiles(num_pairs, num_experts, 16) * _cdiv(inter, 64)
         if int8:
-            return MoEConfig(G(16, 64, 128, 4 if tiles <= 16 * 18 else 1, 8, 4, 3), G(16, 128, 128, 1, 8, 4, 4))
+            split = 4 if tiles <= 4 * 18 else 2 if tiles <= 16 * 18 else 1
+            return MoEConfig(G(16, 64, 128, split, 8, 4, 3), G(16, 128, 128, 1, 8, 4, 3))
         return MoEConfig(G(16, 64, 128, 2 if tiles <= 4 * 18 else 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
     if rows <= 8:
-        up = G(64, 64, 128, 1, 8, 4, 3) if int8 else G(16, 64, 128, 1, 8, 4, 4)
-        return MoEConfig(up, G(16, 128, 128, 1, 8, 4, 4 if int8 else 3))
+        return MoEConfig(G(16, 64, 128, 1, 8, 4, 3 if int8 else 4), G(16, 128, 128, 1, 8, 4, 3))
     if rows <= 32:
-        down = G(64, 128, 128, 1, 8, 4, 3) if int8 else G(32, 128, 128, 1, 8, 4, 3)
-        return MoEConfig(G(64, 64, 128, 1, 8, 4, 3 if int8 else 4), down)
+        return MoEConfig(G(64, 64, 128, 1, 8, 4, 3 if int8 else 4), G(32, 128, 128, 1, 8, 4, 3))
     if rows <= 256:
         if int8:
-            return MoEConfig(G(64, 64, 64, 1, 8, 4, 4), G(64, 128, 64, 1, 8, 4, 4))
+            return MoEConfig(G(64, 64, 64, 1, 8, 4, 4), G(64, 256, 64, 1, 8, 4, 3))
         return MoEConfig(G(64, 128, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 4))
     if int8:
         return MoEConfig(G(128, 64, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 3))
@@ -140,11 +137,13 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
 
     down = cfg.down
     tiles = max_tiles(num_pairs, num_experts, down.block_m)
-    y = ops.empty([down.split_k, num_pairs, hidden], "float32", x)
+    # Pair results in the output's dtype (the k-way sum is fp32 either way); K-split partials stay fp32.
+    y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
+    y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
                [act, down_w, scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter, num_experts, num_pairs,
                 tiles, _k_chunk(inter, down)],
-               **_gemm_meta(down, e_pad, int8, dot, inter))
+               **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
                SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block, ROUND_BF16=interp and _dtype_name(out) == "bfloat16",
@@ -158,7 +157,7 @@ def _k_chunk(depth, g):
 
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                INT8=int8, INT8_WORDS=int8 and g.int8_words, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
+                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0, num_warps=g.num_warps,
                 num_stages=g.num_stages)
 
 
@@ -186,9 +185,6 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
         raise ValueError(f"up_gate_w and down_w are both int8 or neither, got {_dtype_name(up_gate_w)} and "
                          f"{_dtype_name(down_w)}")
     if int8:
-        if inter % 4 or hidden % 4:
-            raise ValueError(f"int8 experts need hidden ({hidden}) and inter ({inter}) to be multiples of 4 (codes are "
-                             "read 4 at a time)")
         for name, s, width in (("up_gate_scale", up_gate_scale, 2 * inter), ("down_scale", down_scale, hidden)):
             if s is None:
                 raise ValueError(f"int8 experts need {name} (float32 [E, 1, {width}])")

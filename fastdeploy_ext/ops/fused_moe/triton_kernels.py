@@ -10,9 +10,10 @@ them for torch or Paddle tensors. The pipeline, all on the device (no host sync,
    side by side from one gathered ``x`` tile; ``silu(gate) * up`` in the epilogue, or fp32 partial sums per K
    split that ``_silu_reduce_kernel`` adds up when few tiles need a split K to fill the GPU.
 3. ``_down_kernel``: grouped GEMM tiles of ``act @ W_down[e]`` with each row's routing weight applied in the
-   epilogue, written as fp32 per pair (and K split).
-4. ``_combine_kernel``: each token's ``k`` pairs (and splits) summed in a fixed order into the output, so
-   repeated runs are bit-identical.
+   epilogue, written per pair (and K split): in the output's dtype without a K split, as vLLM's ``moe_sum``
+   inputs are (half the bytes of fp32 at large batches), else fp32.
+4. ``_combine_kernel``: each token's ``k`` pairs (and splits) summed in fp32 in a fixed order into the
+   output, so repeated runs are bit-identical.
 
 A GEMM program finds its expert and rows from ``offsets`` alone (``_tile_rows``); programs beyond the last tile,
 and experts without pairs, load nothing. int8 codes enter the dot as bf16 (exact) or fp32 and the per-column
@@ -139,34 +140,6 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _code(word, SHIFT: tl.constexpr, DOT_T: tl.constexpr):
-    # Byte SHIFT / 8 of each word as a number, in integer and fp32 adds only (an int -> float conversion runs at a
-    # sixteenth of the ALU rate): its offset-binary value c + 128 in the low mantissa bits of 2**23 is the float
-    # 2**23 + 128 + c exactly. A small integer's bf16 is the upper half of its fp32 bits.
-    bits = (((word >> SHIFT) & 0xFF) ^ 0x80) | 0x4B000000
-    v = bits.to(tl.float32, bitcast=True) - 8388736.0
-    if DOT_T == tl.bfloat16:
-        v = (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return v
-
-
-@triton.jit
-def _operand(b, DOT_T: tl.constexpr, INT8_WORDS: tl.constexpr):
-    # INT8_WORDS: int8 codes read as int32 words of 4 consecutive columns (an int8 [BK, BN] tile is
-    # column-contiguous, and the MMA wants it K-contiguous: as bytes that is one shared-memory load per code),
-    # widened and interleaved back into columns (little-endian: byte i is column 4j + i).
-    if INT8_WORDS:
-        c0 = _code(b, 0, DOT_T)
-        c1 = _code(b, 8, DOT_T)
-        c2 = _code(b, 16, DOT_T)
-        c3 = _code(b, 24, DOT_T)
-        out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [b.shape[0], 4 * b.shape[1]])
-    else:
-        out = b.to(DOT_T)
-    return out
-
-
-@triton.jit
 def _up_gate_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, H, 2I]: gate columns [0, I), up columns [I, 2I)
@@ -188,7 +161,6 @@ def _up_gate_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INT8: tl.constexpr,
-    INT8_WORDS: tl.constexpr,
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -210,31 +182,25 @@ def _up_gate_kernel(
     # 64-bit where it can exceed 2**31 (expert base, token rows); offsets inside one expert's matrix are int32
     # (the launcher checks H * 2I < 2**31), which keeps the pointer tiles small.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
-    # B is read in words of LANES columns (see _operand); the launcher checks I % 4 == 0.
-    LANES: tl.constexpr = 4 if INT8_WORDS else 1
     w_expert = w_ptr + e.to(tl.int64) * H * 2 * I
-    if INT8_WORDS:
-        w_expert = w_expert.to(tl.pointer_type(tl.int32))
-    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
-    word_ok = words * LANES < I
-    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I // LANES) + words[None, :]
+    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I) + cols[None, :]
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=word_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I // LANES, mask=word_ok[None, :], other=0)
+            bg = tl.load(g_ptrs, mask=col_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I, mask=col_ok[None, :], other=0)
         else:
             k_ok = (k0 + kk) < k_hi
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I // LANES, mask=k_ok[:, None] & word_ok[None, :], other=0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
+            bu = tl.load(g_ptrs + I, mask=k_ok[:, None] & col_ok[None, :], other=0)
         a = a.to(DOT_T)
-        acc_g = tl.dot(a, _operand(bg, DOT_T, INT8_WORDS), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, _operand(bu, DOT_T, INT8_WORDS), acc_u, input_precision=PRECISION)
+        acc_g = tl.dot(a, bg.to(DOT_T), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu.to(DOT_T), acc_u, input_precision=PRECISION)
         x_ptrs += BK
-        g_ptrs += BK * (2 * I // LANES)
+        g_ptrs += BK * 2 * I
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -286,7 +252,7 @@ def _down_kernel(
     sorted_ptr,
     offsets_ptr,
     topk_weights_ptr,  # [P] (flattened [T, k])
-    y_ptr,  # [SPLIT_K, P, H] fp32, rows indexed by pair id
+    y_ptr,  # [SPLIT_K, P, H] (see launcher: the output's dtype, or fp32), rows indexed by pair id
     H,
     I,
     E,
@@ -300,10 +266,10 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INT8: tl.constexpr,
-    INT8_WORDS: tl.constexpr,
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(H, BN), GROUP_M)
     split = tl.program_id(1)
@@ -318,36 +284,30 @@ def _down_kernel(
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
-    LANES: tl.constexpr = 4 if INT8_WORDS else 1
-    w_expert = w_ptr + e.to(tl.int64) * I * H
-    if INT8_WORDS:
-        w_expert = w_expert.to(tl.pointer_type(tl.int32))
-    words = pid_n * (BN // LANES) + tl.arange(0, BN // LANES)
-    word_ok = words * LANES < H
-    w_ptrs = w_expert + (k_lo + kk)[:, None] * (H // LANES) + words[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * I * H + (k_lo + kk)[:, None] * H + cols[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=word_ok[None, :], other=0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0)
         else:
             k_ok = (k0 + kk) < k_hi
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & word_ok[None, :], other=0)
-        acc = tl.dot(a.to(DOT_T), _operand(b, DOT_T, INT8_WORDS), acc, input_precision=PRECISION)
+            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
+        acc = tl.dot(a.to(DOT_T), b.to(DOT_T), acc, input_precision=PRECISION)
         a_ptrs += BK
-        w_ptrs += BK * (H // LANES)
+        w_ptrs += BK * H
     if INT8:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)
     acc *= tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     dst = y_ptr + (split.to(tl.int64) * P + pair[:, None]) * H + cols[None, :]
-    tl.store(dst, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(dst, _rounded(acc, ROUND_BF16).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _combine_kernel(
-    y_ptr,  # [SPLIT_K, P, H] fp32
+    y_ptr,  # [SPLIT_K, P, H]
     ids_ptr,  # [P]
     out_ptr,  # [T, H]
     T,
@@ -371,6 +331,6 @@ def _combine_kernel(
         # An id outside [0, E) was never computed: its rows of y hold nothing.
         mask = (tok_ok & (e >= 0) & (e < E))[:, None] & col_ok[None, :]
         for s in tl.static_range(SPLIT_K):
-            acc += tl.load(y_ptr + (s * P + p[:, None]) * H + cols[None, :], mask=mask, other=0.0)
+            acc += tl.load(y_ptr + (s * P + p[:, None]) * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dst = out_ptr + tok[:, None] * H + cols[None, :]
     tl.store(dst, _rounded(acc, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & col_ok[None, :])

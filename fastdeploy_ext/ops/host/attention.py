@@ -53,6 +53,12 @@ def zero_slots(pool: paddle.Tensor, slots: list) -> None:
     host_view(pool)[slots] = 0.0
 
 
+def copy_slots(pool: paddle.Tensor, src: list, dst: list) -> None:
+    """``pool[dst] = pool[src]`` (prefix snapshots, an ``n > 1`` sibling's state)."""
+    h = host_view(pool)
+    h[dst] = h[src]
+
+
 class HostAttention:
     """Causal GQA attention of one layer over its paged cache (see ``layers/attention.py``)."""
 

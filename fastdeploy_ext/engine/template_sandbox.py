@@ -156,7 +156,7 @@ class TemplateWorkers:
         self.num_killed = 0
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "fastdeploy_ext.entrypoints.template_sandbox"],
+        return subprocess.Popen([sys.executable, "-m", "fastdeploy_ext.engine.template_sandbox"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
 

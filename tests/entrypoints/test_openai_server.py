@@ -328,8 +328,8 @@ def test_server_log_summary_stats_and_rejections(server, client):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0)
     assert wait_for(lambda: "400 POST /v1/completions: the model 'no-such-model' does not exist" in server.log(10**7))
-    stats = re.compile(r"running \d+, waiting \d+, pending \d+; KV cache [\d.]+% \(\d+/\d+ blocks\); prompt [\d.]+ "
-                       r"tokens/s, generation [\d.]+ tokens/s")
+    stats = re.compile(r"running \d+, waiting \d+, pending \d+; KV cache [\d.]+% \(\d+/\d+ blocks in use, \d+ cached "
+                       r"free\); prompt [\d.]+ tokens/s, generation [\d.]+ tokens/s; prefix cache hit rate ")
     assert wait_for(lambda: stats.search(server.log(10**7)))
     log = server.log(10**7)
     for needle in (f"served as '{MODEL}'", "dtype float32, backend host, device cpu, tensor_parallel_size 1",

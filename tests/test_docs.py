@@ -117,6 +117,7 @@ class Scratch:
     def __init__(self, path: str):
         self.path = path
         self.servers = []  # (process, log file, port)
+        self.file = None  # the document whose blocks ran last
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                                                if p)}
 
@@ -142,7 +143,7 @@ class Scratch:
         proc = subprocess.Popen(["timeout", str(BLOCK_TIMEOUT_S * 2), *argv, "--port", str(port)], cwd=self.path,
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.servers.append((proc, log, port))
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 100
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
@@ -189,24 +190,28 @@ def scratch(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", DOCS)
-def test_every_block_runs_or_says_why_not(path, scratch):
+def test_every_block_runs_or_says_why_not(path):
     problems = [f"{path}:{n}: indented code block; fence it (```bash, ```python, or ``` with a no-run marker)"
                 for n in indented_code_blocks(path)]
-    try:
-        for n, block in enumerate(blocks_of(path)):
-            if block.no_run is not None:
-                continue
-            if not runnable(block):
-                problems.append(f"{block.where}: a ```{block.lang} block that is not run: make it runnable or put "
-                                "`<!-- no-run: reason -->` on the line before it")
-                continue
-            if block.lang == "python":
-                problems.append(scratch.python(block, n))
-                continue
-            for line in shell_commands(block.text):
-                problems.append(scratch.command(line, block.where))
-    finally:
-        scratch.stop_servers()
+    problems += [f"{b.where}: a ```{b.lang} block that is not run: make it runnable or put `<!-- no-run: reason -->` "
+                 "on the line before it" for b in blocks_of(path) if b.no_run is None and not runnable(b)]
+    assert not problems, "\n".join(problems)
+
+
+# One test per block that runs, in file order (a block may use what the earlier ones of its file left).
+RUN = [(path, n) for path in DOCS for n, b in enumerate(blocks_of(path)) if b.no_run is None and runnable(b)]
+
+
+@pytest.mark.parametrize("path,n", RUN, ids=[f"{p}:{blocks_of(p)[n].line}" for p, n in RUN])
+def test_block_runs(path, n, scratch):
+    if scratch.file != path:
+        scratch.stop_servers()  # a file's servers serve its own later blocks only
+        scratch.file = path
+    block = blocks_of(path)[n]
+    if block.lang == "python":
+        problems = [scratch.python(block, n)]
+    else:
+        problems = [scratch.command(line, block.where) for line in shell_commands(block.text)]
     problems = [p for p in problems if p]
     assert not problems, "\n\n".join(problems)
 

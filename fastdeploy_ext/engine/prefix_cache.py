@@ -26,6 +26,10 @@ A request resumes at the longest prefix whose KV pages are all cached and whose 
 snapshot, copies the snapshot into its live slot and prefills the rest. Requests that need prompt logprobs
 compute every prompt row: they do not read the cache (they still fill it).
 
+**Waiting for a running request.** A queued request whose next page (or branch-point snapshot) a running
+request is about to compute is not admitted yet: admitted, it would compute the same tokens alongside instead
+of resuming from them a step or two later. The scheduler admits the requests behind it meanwhile.
+
 The scheduler makes every decision on the driver; the copies travel with the step's per-sequence inputs
 (``SeqInput.restore_slot`` / ``save_slot``), so every tensor-parallel rank makes the same ones.
 """
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy_ext.engine.cache_manager import BlockManager
+from fastdeploy_ext.engine.request import RequestStatus
 
 _DOMAIN = b"fastdeploy_ext/kv-block/v1"
 
@@ -223,6 +228,7 @@ class Hit:
     num_tokens: int
     restore: int | None = None
     branch: int | None = None
+    num_kv_blocks: int = 0  # length of the cached page chain (>= len(blocks) for hybrid models)
 
 
 class PrefixCache:
@@ -231,6 +237,9 @@ class PrefixCache:
         self.snapshots = snapshots
         self.block_size = blocks.block_size
         self.interval = snapshot_interval * blocks.block_size  # in tokens
+        # Keys of pages (and branch-point snapshots) running requests are about to compute -> that request.
+        self._computing: dict[bytes, object] = {}
+        self._snapshot_due: dict[bytes, object] = {}
 
     @staticmethod
     def new_state(cache_salt: str | None, spans: list) -> PrefixState:
@@ -268,7 +277,7 @@ class PrefixCache:
         # At least the last token is computed: its logits are sampled from.
         usable = min(len(cached), (request.num_tokens - 1) // bs)
         if self.snapshots is None:
-            return Hit(cached[:usable], usable * bs)
+            return Hit(cached[:usable], usable * bs, num_kv_blocks=len(cached))
         resume = usable
         while resume and self.snapshots.lookup(keys[resume - 1]) is None:
             resume -= 1
@@ -276,7 +285,17 @@ class PrefixCache:
         branch = None
         if len(cached) > resume and self.snapshots.lookup(keys[len(cached) - 1]) is None:
             branch = len(cached) * bs
-        return Hit(cached[:resume], resume * bs, restore, branch)
+        return Hit(cached[:resume], resume * bs, restore, branch, len(cached))
+
+    def should_wait(self, request, hit: Hit) -> bool:
+        """Whether a running request is about to compute the page after ``hit``'s cached chain, or the
+        snapshot at its branch point (see the module docstring)."""
+        if request.params.prompt_logprobs is not None:
+            return False
+        keys, bs = request.prefix.keys, self.block_size
+        if hit.num_kv_blocks < len(keys) and _running(self._computing.get(keys[hit.num_kv_blocks])):
+            return True
+        return hit.branch is not None and _running(self._snapshot_due.get(keys[hit.branch // bs - 1]))
 
     def pages_needed(self, hit: Hit, num_tokens: int) -> int:
         """Free pages that admitting with ``hit`` up to ``num_tokens`` tokens takes (new ones plus cached hits)."""
@@ -290,6 +309,10 @@ class PrefixCache:
         state.num_registered = len(hit.blocks)
         state.branch = hit.branch
         state.restore = hit.restore
+        for key in state.keys[len(hit.blocks):request.num_tokens // self.block_size]:
+            self._computing.setdefault(key, request)
+        if hit.branch is not None:
+            self._snapshot_due.setdefault(state.keys[hit.branch // self.block_size - 1], request)
         if hit.restore is not None:
             self.snapshots.pin(hit.restore)
             stats.prefix_snapshot_hits += 1
@@ -339,6 +362,8 @@ class PrefixCache:
             keys = self.keys(request, full)
             for i in range(state.num_registered, full):
                 self.blocks.register(request.block_ids[i], keys[i])
+                if self._computing.get(keys[i]) is request:
+                    del self._computing[keys[i]]
             state.num_registered = full
         state.restore = None
         if save_slot is None:
@@ -348,5 +373,19 @@ class PrefixCache:
             stats.prefix_snapshots_taken += 1
             if end == state.branch:
                 state.branch = None
+                if self._snapshot_due.get(key) is request:
+                    del self._snapshot_due[key]
             elif end % self.interval:
                 state.rolling = (save_slot, key)
+
+    def release(self, request) -> None:
+        """``request`` stops running (finished, aborted or preempted): it computes nothing more for others."""
+        for key in request.prefix.keys:
+            if self._computing.get(key) is request:
+                del self._computing[key]
+            if self._snapshot_due.get(key) is request:
+                del self._snapshot_due[key]
+
+
+def _running(request) -> bool:
+    return request is not None and request.status == RequestStatus.RUNNING

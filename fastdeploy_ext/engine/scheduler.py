@@ -86,6 +86,8 @@ class Scheduler:
         """Release pages and state slot (finish, abort, preemption)."""
         self.blocks.free(request.block_ids)
         request.block_ids = []
+        if self.prefix is not None:
+            self.prefix.release(request)
         if request.state_slot is not None and self.state_slots is not None:
             self.state_slots.free(request.state_slot)
         request.state_slot = None
@@ -175,9 +177,13 @@ class Scheduler:
                 out.seqs.append(self._scheduled(request, num_new))
                 budget -= num_new
 
+        deferred = []  # requests waiting for a running one to compute their prefix (engine/prefix_cache.py)
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self.prefix.lookup(request) if self.prefix is not None else None
+            if hit is not None and self.prefix.should_wait(request, hit):
+                deferred.append(self.waiting.popleft())
+                continue
             start = hit.num_tokens if hit is not None else request.num_computed_tokens
             num_new = request.num_tokens - start
             if num_new > budget:
@@ -201,6 +207,7 @@ class Scheduler:
             self.running.append(request)
             out.seqs.append(self._scheduled(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
 
         self.stats.num_steps += 1
         in_prefill = [s.request.num_computed_tokens < len(s.request.prompt_token_ids) for s in out.seqs]

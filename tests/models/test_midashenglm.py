@@ -194,8 +194,10 @@ def test_preemption_recompute_reuses_audio_rows(tiny_dir, llm):
     requests = [{"prompt": chat_prompt(), "multimodal_data": {"audio": [clip(2.0 + 0.5 * i, 20 + i)]}} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     alone = [llm.generate(r, params, use_tqdm=False)[0] for r in requests]
-    # Prompts are 68-75 tokens (17-19 pages of 4): two fit in 40 pages, but not while both grow by 16 tokens.
-    small = LLM(model=tiny_dir, max_model_len=256, max_num_seqs=4, num_kv_blocks=40, block_size=4)
+    # Prompts are 68-75 tokens (17-19 pages of 4): two fit in 40 pages, but not while both grow by 16 tokens
+    # (without prefix caching, which would share their system-prompt pages).
+    small = LLM(model=tiny_dir, max_model_len=256, max_num_seqs=4, num_kv_blocks=40, block_size=4,
+                enable_prefix_caching=False)
     calls, handle = count_encoded_clips(small.llm_engine.model)
     outs = small.generate(requests, params, use_tqdm=False)
     handle.remove()

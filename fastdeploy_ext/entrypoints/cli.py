@@ -106,6 +106,8 @@ def _cmd_plan(args) -> int:
 def _cmd_serve(args) -> int:
     import logging
 
+    from fastdeploy_ext.config.base import ConfigError
+
     from fastdeploy_ext.engine.engine import LLMEngine
     from fastdeploy_ext.entrypoints.deploy_config import engine_args
     from fastdeploy_ext.entrypoints.openai_server import OpenAIServer, run_server
@@ -122,8 +124,11 @@ def _cmd_serve(args) -> int:
     engine = LLMEngine(cfg.model, **engine_args(cfg))
     chat_template = None
     if cfg.chat_template is not None:
-        with open(cfg.chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
+        try:
+            with open(cfg.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as e:
+            raise ConfigError(f"{cfg.source}: field 'chat_template': cannot read {cfg.chat_template}: {e}") from None
     server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
                           api_key=cfg.api_key, allowed_local_media_path=cfg.allowed_local_media_path,
                           tool_call_parser=cfg.tool_call_parser, chat_template=chat_template)

@@ -135,8 +135,7 @@ _SCHEMA = {
     "max_pending_requests": ((int,), _positive, "sequences before 429"),
     "tool_call_parser": ((str, type(None)), lambda v: _known(v, "tool"), "tool-call syntax (default: the architecture's)"),
     "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"), "split <think> into reasoning_content"),
-    "chat_template": ((str, type(None)), lambda v: None if os.path.isfile(v) else "must be an existing file",
-                      "Jinja chat template file replacing the checkpoint's"),
+    "chat_template": ((str, type(None)), None, "Jinja chat template file replacing the checkpoint's"),
 }
 
 

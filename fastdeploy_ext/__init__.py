@@ -11,6 +11,8 @@ _LAZY = {
     "SamplingParams": "fastdeploy_ext.engine.sampling_params",
     "RequestOutput": "fastdeploy_ext.engine.request",
     "CompletionOutput": "fastdeploy_ext.engine.request",
+    "ToolCall": "fastdeploy_ext.engine.request",
+    "GuidedDecodingParams": "fastdeploy_ext.engine.guided_decoding",
 }
 
 __all__ = list(_LAZY)

@@ -30,7 +30,7 @@ from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
 from fastdeploy_ext.engine.request import Request
-from fastdeploy_ext.engine.guided_decoding import GuidedDecoder, apply_token_bitmask
+from fastdeploy_ext.engine.guided_decoding import GuidedDecoder, unpack_bitmask
 from fastdeploy_ext.engine.sampler import apply_logit_bias, log_softmax, sample_token, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
@@ -523,8 +523,8 @@ class LLMEngine:
         return touched
 
     def _sample(self, pairs: list) -> None:
-        """Sample one token for each ``(request, raw logits row)``. The rows of all grammar-constrained
-        requests are masked together: one parallel llguidance fill, one masking pass."""
+        """Sample one token for each ``(request, raw logits row)``. The masks of all grammar-constrained
+        requests are computed together: one parallel llguidance fill, one unpacking pass for the batch."""
         live = []
         for req, row in pairs:
             if req.is_finished:
@@ -533,23 +533,21 @@ class LLMEngine:
                 self._finish(req, "length")
                 continue
             live.append((req, row))
-        masked = {}
-        guided = [(req, row) for req, row in live if req.matcher is not None]
+        masks = {}
+        guided = [req for req, _ in live if req.matcher is not None]
         if guided:
             try:
-                bitmask = self.guided.fill_bitmask([req.matcher for req, _ in guided])
-                rows = np.stack([apply_logit_bias(row, req.params.logit_bias) for req, row in guided])
-                for (req, _), masked_row in zip(guided, apply_token_bitmask(rows, bitmask)):
-                    masked[req.request_id] = masked_row
+                allowed = unpack_bitmask(self.guided.fill_bitmask([req.matcher for req in guided]), self.vocab_size)
+                masks = {req.request_id: allowed[j] for j, req in enumerate(guided)}
             except Exception as e:
                 logger.exception("guided decoding mask failed")
-                for req, _ in guided:
+                for req in guided:
                     self._finish(req, "error", f"guided decoding: {type(e).__name__}: {e}")
         for req, row in live:
             if req.is_finished:
                 continue
             try:
-                self._append_token(req, row, masked.get(req.request_id))
+                self._append_token(req, row, masks.get(req.request_id))
             except Exception as e:
                 logger.exception("request %s failed", req.request_id)
                 self._finish(req, "error", f"{type(e).__name__}: {e}")
@@ -565,9 +563,9 @@ class LLMEngine:
             if nxt < len(prompt):
                 req.prompt_logprobs.append(top_logprobs(lps[i], k, prompt[nxt]))
 
-    def _append_token(self, req: Request, row: np.ndarray, masked: np.ndarray | None = None) -> None:
-        """Sample from ``masked`` (grammar mask and logit bias applied) or ``row`` with the logit bias;
-        reported logprobs are always those of the raw ``row``."""
+    def _append_token(self, req: Request, row: np.ndarray, allowed: np.ndarray | None = None) -> None:
+        """Sample from ``row`` with the logit bias, among the ``allowed`` tokens of a grammar's mask; reported
+        logprobs are those of the raw ``row``."""
         params = req.params
         if np.isnan(row).any():
             raise FloatingPointError("logits contain NaN")
@@ -575,10 +573,10 @@ class LLMEngine:
         if len(req.output_token_ids) < params.min_tokens and req.matcher is None:
             # With a grammar, the grammar decides when the output may end.
             banned += self.eos_token_ids + params.stop_token_ids
-        logits = masked if masked is not None else apply_logit_bias(row, params.logit_bias)
-        if req.matcher is not None and not np.isfinite(logits).any():
+        if req.matcher is not None and (allowed is None or not allowed.any()):
             raise ValueError(f"the grammar allows no token here ({req.matcher.get_error() or 'no continuation'})")
-        token = sample_token(logits, params, req.prompt_token_ids, req.output_token_ids, req.generator, banned)
+        token = sample_token(apply_logit_bias(row, params.logit_bias), params, req.prompt_token_ids,
+                             req.output_token_ids, req.generator, banned, allowed)
         if req.matcher is not None and not req.matcher.consume_token(token):
             raise ValueError(f"guided decoding rejected token {token}: {req.matcher.get_error()}")
         if req.metrics.first_token_time is None:

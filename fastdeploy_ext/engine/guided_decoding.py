@@ -4,7 +4,9 @@
 a list of strings, or a Lark grammar); :class:`GuidedDecoder` compiles it into an ``llguidance.LLMatcher``
 over the engine's tokenizer and fills the masks of all constrained rows of a step in one parallel call.
 llguidance is a Rust library with NumPy bitmasks and no torch; xgrammar (FastDeploy's and vLLM's choice)
-would make torch a runtime dependency.
+would make torch a runtime dependency. The sampler then draws each constrained row from its allowed ids
+only (``sampler.sample_token(allowed=...)``): the same distribution as -inf on the rest, without a pass over
+the whole vocabulary per row.
 
 With a reasoning parser the grammar is wrapped so that it applies after the reasoning section (vLLM's
 rule): an optional ``<think> ... </think>`` in front of the constrained part, or, when the prompt already
@@ -107,11 +109,10 @@ def _lark_regex(regex: str) -> str:
     return llguidance.regex_to_lark(regex, "")
 
 
-def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
-    """``logits [B, V]`` with every token whose bit is 0 in ``bitmask [B, ceil(V/32)]`` (int32, llguidance's
-    layout: bit ``i % 32`` of word ``i // 32``, little-endian) set to -inf; one NumPy pass for the batch."""
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
-    return np.where(allowed.astype(bool), logits, np.float32(-np.inf))
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Allowed tokens ``[B, V]`` (bool) of the masks ``bitmask [B, ceil(V/32)]`` (int32, llguidance's layout:
+    bit ``i % 32`` of word ``i // 32``, little-endian), one NumPy pass for the whole batch."""
+    return np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little").view(bool)
 
 
 class GuidedDecoder:

@@ -283,8 +283,11 @@ def _cmd_serve(args) -> int:
 
         chat_template = None
         if cfg.chat_template is not None:
-            with open(cfg.chat_template, encoding="utf-8") as f:
-                chat_template = f.read()
+            try:
+                with open(cfg.chat_template, encoding="utf-8") as f:
+                    chat_template = f.read()
+            except OSError as e:
+                raise UsageError(f"{cfg.source}: field 'chat_template': cannot read {cfg.chat_template}: {e}") from None
         engine = LLMEngine(cfg.model, **engine_args(cfg))
         server = OpenAIServer(engine, cfg.model_name, cfg.model, max_pending_requests=cfg.max_pending_requests,
                               api_key=api_key, allowed_local_media_path=cfg.allowed_local_media_path,

@@ -222,8 +222,8 @@ _SCHEMA = {
                          "the architecture's."),
     "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"),
                          "Split <think> sections into reasoning_content (minimax_m1, think); default: none."),
-    "chat_template": ((str, type(None)), lambda v: None if os.path.isfile(v) else "must be an existing file",
-                      "Jinja chat template file replacing the checkpoint's (e.g. a tool-aware one)."),
+    "chat_template": ((str, type(None)), None, "Jinja chat template file replacing the checkpoint's (e.g. a "
+                      "tool-aware one); relative to the YAML file."),
 }
 # Fields only a running server reads: `plan` does not offer them as flags.
 SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",

@@ -201,10 +201,10 @@ def test_failing_request_does_not_take_down_others(tiny_qwen2_dir, monkeypatch):
     poisoned = 777
     real = engine_mod.sample_token
 
-    def sample(logits, params, prompt_ids, output_ids, generator, banned):
+    def sample(logits, params, prompt_ids, output_ids, generator, banned, allowed=None):
         if params.seed == poisoned:
             raise RuntimeError("sampler blew up")
-        return real(logits, params, prompt_ids, output_ids, generator, banned)
+        return real(logits, params, prompt_ids, output_ids, generator, banned, allowed)
 
     monkeypatch.setattr(engine_mod, "sample_token", sample)
     params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),

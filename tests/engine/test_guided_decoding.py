@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fastdeploy_ext import LLM, SamplingParams
-from fastdeploy_ext.engine.guided_decoding import GrammarError, GuidedDecoder, GuidedDecodingParams, apply_token_bitmask
+from fastdeploy_ext.engine.guided_decoding import GrammarError, GuidedDecoder, GuidedDecodingParams, unpack_bitmask
+from fastdeploy_ext.engine.sampler import sample_token
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "level"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -38,7 +39,7 @@ def test_exactly_one_constraint():
     assert GuidedDecodingParams(json='{"type": "object"}').json == {"type": "object"}
 
 
-def test_bitmask_application_equals_llguidance_reference():
+def test_bitmask_and_masked_sampling_equal_llguidance_reference():
     import llguidance.numpy as lln
 
     rng = np.random.default_rng(0)
@@ -46,7 +47,15 @@ def test_bitmask_application_equals_llguidance_reference():
     bitmask = rng.integers(-2**31, 2**31 - 1, size=(5, 32), dtype=np.int64).astype(np.int32)
     ref = logits.copy()
     lln.apply_token_bitmask_inplace(ref, bitmask)
-    np.testing.assert_array_equal(apply_token_bitmask(logits, bitmask), ref)
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    np.testing.assert_array_equal(np.where(allowed, logits, -np.inf), ref)
+    # the sampler's draw among the allowed ids is the draw from the -inf-masked row
+    for seed in range(20):
+        for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+                       SamplingParams(temperature=1.3, repetition_penalty=1.2, min_p=0.01)):
+            a = sample_token(logits[seed % 5], params, [3], [7, 9], np.random.default_rng(seed), [11], allowed[seed % 5])
+            b = sample_token(ref[seed % 5], params, [3], [7, 9], np.random.default_rng(seed), [11])
+            assert a == b and allowed[seed % 5][a]
 
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "json_object"])

@@ -130,3 +130,15 @@ def test_tool_calls_inside_think_are_not_calls():
     deltas = [stream.feed(ch) for ch in f"<think>{inner}</think>ok"] + [stream.feed("", final=True)]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == inner
     assert "".join(d.get("content", "") for d in deltas) == "ok" and not any("tool_calls" in d for d in deltas)
+
+
+def test_parser_names_are_checked_in_deploy_configs():
+    from fastdeploy_ext.config.base import ConfigError
+    from fastdeploy_ext.entrypoints.deploy_config import build_config
+
+    cfg = build_config({"model": "m", "tool_call_parser": "hermes", "reasoning_parser": "minimax_m1"}, "t.yaml", "/d")
+    assert (cfg.tool_call_parser, cfg.reasoning_parser) == ("hermes", "minimax_m1")
+    for field in ("tool_call_parser", "reasoning_parser"):
+        with pytest.raises(ConfigError, match=f"field '{field}' must be one of"):
+            build_config({"model": "m", field: "nope"}, "t.yaml", "/d")
+    assert build_config({"model": "m", "chat_template": "t.jinja"}, "t.yaml", "/d").chat_template == "/d/t.jinja"

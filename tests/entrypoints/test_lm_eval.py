@@ -76,6 +76,8 @@ def hf_greedy_gaps(hf, tok, context):
     return out, gap
 
 
+# two lm-eval runs (~30 s each to import and start) plus HF's greedy reference: over the default 120 s
+@pytest.mark.timeout(600)
 def test_local_completions_equals_hf_backend(start_server, tiny_qwen2_dir, tmp_path):
     import torch
     import transformers

@@ -7,6 +7,7 @@ section first, and a random model that opens it (the tiny M1 does for 7 of 20 se
 reasoning server below serves a template that opens ``<think>`` itself."""
 
 import asyncio
+import os
 import json
 import re
 from enum import Enum
@@ -258,3 +259,18 @@ def test_reasoning_content_streamed_and_not(reasoning_client):
     streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
     assert streamed == reasoning
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_deployment_doc_examples(servers):
+    """The structured-output examples of docs/deployment.md, against the tiny Qwen2 server."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deployment.md")
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    section = doc.split("<!-- examples: tests/entrypoints/test_structured_outputs.py")[1].split("**Unbounded")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    server, _ = servers["qwen"]
+    namespace = {}
+    for code in blocks:
+        exec(code.replace("http://127.0.0.1:8000", server.url).replace('"tiny-qwen2"', '"qwen"'), namespace)
+    assert namespace["out"].choices[0].message.tool_calls

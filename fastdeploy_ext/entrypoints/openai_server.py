@@ -553,18 +553,19 @@ class OpenAIServer:
             raise APIError(400, f"'{field}' must be a string", param=field)
         try:
             messages = self.chat_format.adapt(messages)
-            if tools:
-                kwargs["tools"] = tools
             source, context = self.tokenizer.chat_template_context(
-                messages, req.add_generation_prompt, template or self.chat_format.chat_template)
+                messages, req.add_generation_prompt, template or self.chat_format.chat_template,
+                **({"tools": tools} if tools else {}))
             allowed = undeclared_variables(source) - RESERVED_VARIABLES
         except Exception as e:
             raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
-        unknown = sorted(set(kwargs) - allowed - {"tools"})
+        unknown = sorted(set(kwargs) - allowed)
         if unknown:
             raise APIError(400, f"'chat_template_kwargs' key {unknown[0]!r} is not a variable of the chat template "
                                 f"(allowed: {sorted(allowed)})", param="chat_template_kwargs")
         context.update(kwargs)
+        if tools:
+            kwargs["tools"] = tools
         limit = self.limits.max_prompt_chars
         self._count("templates_rendered")
         try:
@@ -986,7 +987,7 @@ class OpenAIServer:
 
         def model_card() -> dict:
             return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastdeploy_ext",
-                    "root": self.model_path, "max_model_len": self.engine.max_model_len}
+                    "root": self.model_name, "max_model_len": self.engine.max_model_len}
 
         @app.get("/v1/models")
         async def models():

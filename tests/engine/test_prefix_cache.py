@@ -169,6 +169,29 @@ def test_hybrid_resumes_only_at_a_snapshot(model_dirs):
     assert again.num_cached_tokens == 6 * BS
 
 
+def test_queued_request_waits_for_a_running_one_only_until_its_branch_point(model_dirs):
+    """C shares B's branch point: it waits while B computes up to there, then runs beside B. With no snapshot
+    slot at all (the branch snapshot cannot be taken) C must not wait for B to finish."""
+    for snapshots in (8, 0):
+        llm = LLM(model=model_dirs["MiniMaxM1ForCausalLM"], max_model_len=256, block_size=BS,
+                  num_prefix_snapshots=snapshots)
+        engine = llm.llm_engine
+        rng = np.random.default_rng(12)
+        shared = rng.integers(0, VOCAB, 5 * BS).tolist()
+        engine.add_request("a", None, shared + [1, 2, 3], greedy(2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        (b,) = engine.add_request("b", None, shared + rng.integers(0, VOCAB, 6).tolist(), greedy(8))
+        (c,) = engine.add_request("c", None, shared + rng.integers(0, VOCAB, 7).tolist(), greedy(8))
+        engine.step()  # b computes [0, 20), its branch point; c waits for it
+        assert b.num_computed_tokens == 5 * BS and c.num_computed_tokens == 0
+        engine.step()
+        assert not b.is_finished and c.num_computed_tokens > 0
+        assert c.num_cached_tokens == (5 * BS if snapshots else 0)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MiniMaxM1ForCausalLM"], ids=["qwen2", "minimax"])
 def test_n3_siblings_share_prompt_pages(model_dirs, arch):
     rng = np.random.default_rng(9)

@@ -140,7 +140,7 @@ def overhead_run(path: str, threads: int) -> dict:
     timer = Timer()
     # Everything the scheduler and the engine call on the cache (each a top-level entry point), and the runner's
     # snapshot copies (the state copies the backend makes for restores and saves; no forks in this workload).
-    for name in ("begin_step", "lookup", "admit", "cut", "plan_save", "commit"):
+    for name in ("begin_step", "lookup", "should_wait", "admit", "cut", "plan_save", "commit", "release"):
         timer.wrap(prefix, name)
     if engine.runner.state_pool is not None:
         timer.wrap(engine.runner.backend, "copy_state")

@@ -366,16 +366,19 @@ class PrefixCache:
                     del self._computing[keys[i]]
             state.num_registered = full
         state.restore = None
+        at_branch = end == state.branch
+        if state.branch is not None and end >= state.branch:
+            # Passed (with or without a snapshot, e.g. when the pool had no slot): nobody waits for it any longer.
+            due = self.keys(request, state.branch // bs)[-1]
+            if self._snapshot_due.get(due) is request:
+                del self._snapshot_due[due]
+            state.branch = None
         if save_slot is None:
             return
         key = self.keys(request, end // bs)[-1]
-        if self.snapshots.register(save_slot, key, shared=end == state.branch):
+        if self.snapshots.register(save_slot, key, shared=at_branch):
             stats.prefix_snapshots_taken += 1
-            if end == state.branch:
-                state.branch = None
-                if self._snapshot_due.get(key) is request:
-                    del self._snapshot_due[key]
-            elif end % self.interval:
+            if not at_branch and end % self.interval:
                 state.rolling = (save_slot, key)
 
     def release(self, request) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_ext import LLM, SamplingParams
-from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, block_key
+from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, SnapshotPool, block_key
 from fastdeploy_ext.tiny import write_tiny
 from tests.oracle import NEAR_TIE
 
@@ -169,6 +169,29 @@ def test_hybrid_resumes_only_at_a_snapshot(model_dirs):
     assert again.num_cached_tokens == 6 * BS
 
 
+def test_queued_request_waits_for_a_running_one_only_until_its_branch_point(model_dirs):
+    """C shares B's branch point: it waits while B computes up to there, then runs beside B. With no snapshot
+    slot at all (the branch snapshot cannot be taken) C must not wait for B to finish."""
+    for snapshots in (8, 0):
+        llm = LLM(model=model_dirs["MiniMaxM1ForCausalLM"], max_model_len=256, block_size=BS,
+                  num_prefix_snapshots=snapshots)
+        engine = llm.llm_engine
+        rng = np.random.default_rng(12)
+        shared = rng.integers(0, VOCAB, 5 * BS).tolist()
+        engine.add_request("a", None, shared + [1, 2, 3], greedy(2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        (b,) = engine.add_request("b", None, shared + rng.integers(0, VOCAB, 6).tolist(), greedy(8))
+        (c,) = engine.add_request("c", None, shared + rng.integers(0, VOCAB, 7).tolist(), greedy(8))
+        engine.step()  # b computes [0, 20), its branch point; c waits for it
+        assert b.num_computed_tokens == 5 * BS and c.num_computed_tokens == 0
+        engine.step()
+        assert not b.is_finished and c.num_computed_tokens > 0
+        assert c.num_cached_tokens == (5 * BS if snapshots else 0)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "MiniMaxM1ForCausalLM"], ids=["qwen2", "minimax"])
 def test_n3_siblings_share_prompt_pages(model_dirs, arch):
     rng = np.random.default_rng(9)
@@ -272,6 +295,33 @@ def test_freed_pages_keep_their_key_until_pages_run_out():
     assert bm.num_cached == 1 and bm.num_used == 5
 
 
+def test_snapshot_pool_evicts_speculative_snapshots_first():
+    pool = SnapshotPool([10, 11, 12])
+    keys = [bytes([i]) * 32 for i in range(5)]
+    for key, shared in zip(keys, (False, True, False)):
+        assert pool.register(pool.take(), key, shared=shared)
+    pool.begin_step()
+    assert pool.take() == 10 and pool.lookup(keys[0]) is None  # least recently used speculative
+    pool.register(10, keys[3])
+    pool.pin(12)  # a request restores 12 this step: it becomes shared and cannot be overwritten
+    assert pool.take() == 10  # the only speculative snapshot left
+    assert pool.take() == 11  # then the least recently used shared one that is not pinned
+    assert pool.take() is None and pool.lookup(keys[2]) == 12
+    pool.begin_step()  # the saves of a failed step return their slots
+    assert sorted(pool.take() for _ in range(2)) == [10, 11]
+
+
+def test_device_backend_caching_on_equals_off(model_dirs):
+    """The device backend's page and snapshot copies (Paddle ops, here on the CPU) match its caching-off run."""
+    kw = dict(max_model_len=256, block_size=BS, max_num_seqs=4, prefix_snapshot_interval=2, backend="device")
+    off = LLM(model=model_dirs["MiniMaxM1ForCausalLM"], enable_prefix_caching=False, **kw)
+    refs, turns = run_text(off, 51)
+    on = LLM(model=model_dirs["MiniMaxM1ForCausalLM"], enable_prefix_caching=True, **kw)
+    outs, _ = run_text(on, 51, turns)
+    assert_equivalent(outs, refs, on, off)
+    assert on.llm_engine.scheduler.stats.prefix_snapshot_hits > 0
+
+
 SR = 16000
 
 
@@ -282,9 +332,16 @@ def midashenglm_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("engine", [dict(max_num_seqs=4), dict(max_num_seqs=3, max_num_batched_tokens=7,
-                                                               num_kv_blocks=64)], ids=["roomy", "chunk7-tight"])
-def test_midashenglm_same_clip_hits_and_a_different_clip_does_not(midashenglm_dir, engine):
+MIDASHENGLM_VARIANTS = {
+    "roomy": dict(max_num_seqs=5),
+    "chunk7-tight": dict(max_num_seqs=3, max_num_batched_tokens=7, num_kv_blocks=64),
+    "preemption": dict(max_num_seqs=4, num_kv_blocks=44),
+    "tp2": dict(max_num_seqs=5, tensor_parallel_size=2),
+}
+
+
+@pytest.mark.parametrize("variant", list(MIDASHENGLM_VARIANTS))
+def test_midashenglm_same_clip_hits_and_a_different_clip_does_not(midashenglm_dir, variant):
     from tests.models.test_midashenglm import SYSTEM, clip
 
     def prompt(question):
@@ -296,9 +353,12 @@ def test_midashenglm_same_clip_hits_and_a_different_clip_does_not(midashenglm_di
              [(prompt(lead + "Describe the sound in detail."), x), (prompt(lead + "What is this?"), y),
               {"prompt_token_ids": np.random.default_rng(6).integers(0, 300, 21).tolist()}],
              [(prompt(lead + "What is this? Answer briefly."), x)]]
+    engine = MIDASHENGLM_VARIANTS[variant]
     results = {}
     for caching in (False, True):
-        llm = LLM(model=midashenglm_dir, max_model_len=512, block_size=BS, enable_prefix_caching=caching, **engine)
+        # The reference runs at tp=1; the hook counts encoder calls in this process (tp=1 only).
+        kw = engine if caching else {k: v for k, v in engine.items() if k != "tensor_parallel_size"}
+        llm = LLM(model=midashenglm_dir, max_model_len=512, block_size=BS, enable_prefix_caching=caching, **kw)
         calls = []
         handle = llm.llm_engine.model.audio_encoder.register_forward_post_hook(
             lambda layer, inputs, outputs: calls.append(inputs[0].shape[0]))
@@ -306,17 +366,31 @@ def test_midashenglm_same_clip_hits_and_a_different_clip_does_not(midashenglm_di
         for w, wave in enumerate(waves):
             items = [item if isinstance(item, dict) else {"prompt": item[0], "multimodal_data": {"audio": [item[1]]}}
                      for item in wave]
-            outs += llm.generate(items, [greedy(4 + i + w) for i in range(len(items))], use_tqdm=False)
+            # The same-clip request of wave 2 has n = 3: its siblings share the prompt pages, audio included.
+            sampling = [greedy(4 + i + w).clone(n=3 if (w, i) == (1, 0) else 1) for i in range(len(items))]
+            outs += llm.generate(items, sampling, use_tqdm=False)
         handle.remove()
-        results[caching] = (outs, calls, llm)
-    (outs, calls, on), (refs, ref_calls, off) = results[True], results[False]
+        results[caching] = (outs, calls, llm, llm.llm_engine.scheduler.stats)
+    try:
+        check_midashenglm_run(variant, results)
+    finally:
+        results[True][2].shutdown()
+
+
+def check_midashenglm_run(variant, results):
+    (outs, calls, on, stats), (refs, ref_calls, off, _) = results[True], results[False]
     assert_equivalent(outs, refs, on, off)
     audio_id = on.tokenizer.token_to_id("<|AUDIO|>")
     audio_start = outs[0].prompt_token_ids.index(audio_id)
     audio_end = len(outs[0].prompt_token_ids) - outs[0].prompt_token_ids[::-1].index(audio_id)
-    same_clip, other_clip, again = outs[1], outs[2], outs[4]
+    same_clip, other_clip, again = outs[1], outs[4], outs[6]
     assert same_clip.num_cached_tokens >= audio_end // BS * BS > audio_start
     assert other_clip.num_cached_tokens <= audio_start // BS * BS
     assert again.num_cached_tokens > audio_end
-    # Clip x is encoded once (its later requests resume past its span), clip y once; without caching, x three times.
-    assert sum(calls) == 2 and sum(ref_calls) == 4
+    if variant in ("roomy", "tp2"):
+        assert stats.num_forks == 2  # the others have no free seat: the siblings queue and hit the cache instead
+    if variant == "preemption":
+        assert stats.num_preemptions > 0
+    if variant != "tp2":
+        # Clip x is encoded once (its later requests resume past its span), clip y once; uncached, x three times.
+        assert sum(calls) == 2 and sum(ref_calls) == 4

@@ -225,11 +225,12 @@ _SCHEMA = {
     "chat_template": ((str, type(None)), None, "Jinja chat template file replacing the checkpoint's (e.g. a "
                       "tool-aware one); relative to the YAML file."),
 }
-# Fields only a running server reads: `plan` does not offer them as flags.
+# Fields only a running server reads (the memory plan does not depend on them): `plan` does not offer them as flags.
 SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
                  "trust_request_chat_template", "template_timeout_s", "max_audio_seconds", "max_request_bytes",
                  "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
-                 "rank_heartbeat_timeout_s", "stats_interval", "tool_call_parser", "chat_template")
+                 "rank_heartbeat_timeout_s", "stats_interval", "tool_call_parser", "reasoning_parser",
+                 "chat_template", "seed")
 CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
 
 

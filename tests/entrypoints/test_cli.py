@@ -171,10 +171,15 @@ def test_choices_are_listed_in_help():
 
 
 def test_plan_help_lists_no_server_flags():
-    text = _subparsers()["plan"].format_help()
-    for flag in ("--host", "--port", "--api-key", "--allowed-local-media-path", "--max-pending-requests",
-                 "--stats-interval", "--log-level"):
-        assert flag not in text
+    from fastdeploy_ext.entrypoints.deploy_config import SERVER_FIELDS
+
+    sub = _subparsers()
+    plan, serve = sub["plan"].format_help(), sub["serve"].format_help()
+    flags = ["--" + name.replace("_", "-") for name in SERVER_FIELDS] + ["--log-level"]
+    assert {"--host", "--port", "--api-key", "--reasoning-parser", "--seed", "--stats-interval"} <= set(flags)
+    for flag in flags:
+        assert re.search(re.escape(flag) + r"\b", serve), flag
+        assert not re.search(re.escape(flag) + r"[\s,=]", plan), flag
 
 
 def test_generate_runs_without_paddle_noise(tmp_path):

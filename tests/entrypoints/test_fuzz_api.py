@@ -1,6 +1,6 @@
 """Schemathesis fuzzes both request bodies published in /openapi.json against a tiny server (max_model_len
-128, max_tokens capped at 8): no request may get a 5xx (issue 16). Bounded: 60 examples per operation, a
-fixed seed, no example database, under 90 s."""
+128, max_tokens capped at 8): no request may get a 5xx. Bounded by its work, not its wall time: 20 examples per
+operation, a fixed seed, no example database; 95 s beside two busy loops, so the run has its own timeout."""
 
 import shutil
 import subprocess
@@ -16,6 +16,7 @@ def server(start_server, tiny_qwen2_dir):
                          "--max-tokens-limit", "8"])
 
 
+@pytest.mark.timeout(300)
 def test_no_request_gets_a_server_error(server, tmp_path):
     cli = shutil.which("schemathesis")
     assert cli is not None, "schemathesis is in the test extra: pip install -e '.[test]'"

@@ -131,8 +131,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     chunk = _k_chunk(hidden, up)
     dest = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
     ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
-               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts, num_pairs, top_k,
-                tiles, chunk],
+               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
+                num_pairs, top_k, tiles, chunk],
                **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
     if up.split_k > 1:
         ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
@@ -145,8 +145,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
     y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
-               [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter, num_experts, num_pairs,
-                tiles, _k_chunk(inter, down)],
+               [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
+                num_experts, num_pairs, tiles, _k_chunk(inter, down)],
                **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],

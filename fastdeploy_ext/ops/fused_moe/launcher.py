@@ -56,7 +56,7 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
         tiles = max_tiles(num_pairs, num_experts, 16) * _cdiv(inter, 64)
         if int8:
             split = 4 if tiles <= 4 * 18 else 2 if tiles <= 16 * 18 else 1
-            return MoEConfig(G(16, 64, 128, split, 8, 4, 3), G(16, 128, 128, 1, 8, 4, 3))
+            return MoEConfig(G(16, 64, 128, split, 8, 4, 3), G(16, 128 if split == 4 else 64, 128, 1, 8, 4, 3))
         return MoEConfig(G(16, 64, 128, 2 if tiles <= 4 * 18 else 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
     if rows <= 8:
         if int8:

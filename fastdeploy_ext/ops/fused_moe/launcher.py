@@ -279,13 +279,13 @@ class _PaddleDtype:
 class _TorchOps:
     name = "torch"
 
-    def desc_base(self, t):
-        return t
-
     def __init__(self):
         import torch
 
         self.torch = torch
+
+    def desc_base(self, t):
+        return t
 
     def owns(self, t):
         return isinstance(t, self.torch.Tensor)

@@ -8,6 +8,7 @@ Imports neither framework at import time.
 from dataclasses import dataclass, field
 
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
 from fastdeploy_ext.ops.lightning_attn import launcher
@@ -17,7 +18,6 @@ __all__ = ["GemmConfig", "MoEConfig", "default_config", "fused_moe", "max_tiles"
 _FLOAT_DTYPES = ("float32", "bfloat16")
 _ID_DTYPES = ("int32", "int64")
 _MAX_EXPERTS = 1024
-_INT32_MAX = 2**31 - 1
 _COMBINE_TOKENS = 4
 
 
@@ -56,18 +56,22 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
         tiles = max_tiles(num_pairs, num_experts, 16) * _cdiv(inter, 64)
         if int8:
             split = 4 if tiles <= 4 * 18 else 2 if tiles <= 16 * 18 else 1
-            return MoEConfig(G(16, 64, 128, split, 8, 4, 3), G(16, 128, 128, 1, 8, 4, 3))
+            return MoEConfig(G(16, 64, 128, split, 8, 4, 3), G(16, 128 if split == 4 else 64, 128, 1, 8, 4, 3))
         return MoEConfig(G(16, 64, 128, 2 if tiles <= 4 * 18 else 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
     if rows <= 8:
-        return MoEConfig(G(16, 64, 128, 1, 8, 4, 3 if int8 else 4), G(16, 128, 128, 1, 8, 4, 3))
+        if int8:
+            return MoEConfig(G(16, 64, 64, 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
+        return MoEConfig(G(16, 64, 128, 1, 8, 4, 4), G(16, 128, 128, 1, 8, 4, 3))
     if rows <= 32:
-        return MoEConfig(G(64, 64, 128, 1, 8, 4, 3 if int8 else 4), G(32, 128, 128, 1, 8, 4, 3))
+        if int8:
+            return MoEConfig(G(32, 64, 128, 1, 8, 4, 4), G(32, 128, 64, 1, 8, 4, 4))
+        return MoEConfig(G(64, 64, 128, 1, 8, 4, 4), G(32, 128, 128, 1, 8, 4, 3))
     if rows <= 256:
         if int8:
-            return MoEConfig(G(64, 64, 64, 1, 8, 4, 4), G(64, 256, 64, 1, 8, 4, 3))
-        return MoEConfig(G(64, 128, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 4))
+            return MoEConfig(G(64, 64, 64, 1, 8, 4, 3), G(128, 128, 64, 1, 8, 4, 4))
+        return MoEConfig(G(128, 128, 64, 1, 8, 8, 4), G(128, 256, 64, 1, 8, 8, 4))
     if int8:
-        return MoEConfig(G(128, 64, 64, 1, 8, 4, 4), G(128, 256, 64, 1, 8, 8, 3))
+        return MoEConfig(G(128, 64, 64, 1, 8, 4, 4), G(128, 128, 64, 1, 8, 4, 4))
     return MoEConfig(G(128, 128, 64, 1, 8, 8, 3), G(128, 256, 64, 1, 8, 8, 4))
 
 
@@ -127,8 +131,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     chunk = _k_chunk(hidden, up)
     dest = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
     ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
-               [x, up_gate_w, scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts, num_pairs, top_k,
-                tiles, chunk],
+               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
+                num_pairs, top_k, tiles, chunk],
                **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
     if up.split_k > 1:
         ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
@@ -141,8 +145,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
     y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
-               [act, down_w, scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter, num_experts, num_pairs,
-                tiles, _k_chunk(inter, down)],
+               [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
+                num_experts, num_pairs, tiles, _k_chunk(inter, down)],
                **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
@@ -158,7 +162,14 @@ def _k_chunk(depth, g):
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
                 INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
-                num_warps=g.num_warps, num_stages=g.num_stages)
+                WIDEN_ASM=int8 and dot[0] == "bfloat16", num_warps=g.num_warps, num_stages=g.num_stages)
+
+
+def _weight_desc(ops, w, g):
+    """TMA descriptor over the stored ``[E, in, out]`` weights, one ``[1, block_k, block_n]`` box per load."""
+    num_experts, depth, width = (int(s) for s in w.shape)
+    return TensorDescriptor(ops.desc_base(w), [num_experts, depth, width], [depth * width, width, 1],
+                            [1, g.block_k, g.block_n])
 
 
 def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, down_scale):
@@ -178,9 +189,12 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
         raise ValueError(f"down_w must be [{num_experts}, {inter}, {hidden}], got {list(down_w.shape)}")
     if num_experts > _MAX_EXPERTS:
         raise ValueError(f"at most {_MAX_EXPERTS} experts, got {num_experts}")
-    if hidden * 2 * inter > _INT32_MAX:
-        raise ValueError(f"one expert's up_gate_w ({hidden} x {2 * inter}) must have fewer than 2**31 elements")
     int8 = _dtype_name(up_gate_w) == "int8"
+    # The weights are read by TMA: rows and base addresses 16-byte aligned.
+    for name, w, width in (("up_gate_w", up_gate_w, 2 * inter), ("down_w", down_w, hidden)):
+        if width * w.element_size() % 16 or w.data_ptr() % 16:
+            raise ValueError(f"{name} rows ({width} x {w.element_size()} bytes) and its address must be 16-byte "
+                             "aligned")
     if int8 != (_dtype_name(down_w) == "int8"):
         raise ValueError(f"up_gate_w and down_w are both int8 or neither, got {_dtype_name(up_gate_w)} and "
                          f"{_dtype_name(down_w)}")
@@ -228,10 +242,38 @@ def _check_out(ops, out, x, shape):
 
 def _ops_for(x):
     if launcher.is_paddle_tensor(x):
-        return launcher.PaddleOps()
+        return _PaddleOps()
     if type(x).__module__.startswith("torch"):
         return _TorchOps()
     raise ValueError(f"x must be a torch.Tensor or paddle.Tensor, got {type(x).__name__}")
+
+
+class _PaddleOps(launcher.PaddleOps):
+    def desc_base(self, t):
+        # A descriptor's base is no top-level argument, so PaddleOps.launch cannot swap it for a torch view, and
+        # TensorDescriptor reads dtype.itemsize, which Paddle dtypes lack: hand it a zero-copy torch view, or
+        # without torch a stand-in with the tensor's address and dtype.
+        if launcher.torch_installed():
+            import torch
+
+            return torch.from_dlpack(t)
+        return _PaddleBase(t)
+
+
+class _PaddleBase:
+    def __init__(self, t):
+        self.tensor, self.dtype = t, _PaddleDtype(t.dtype, t.element_size())
+
+    def data_ptr(self):
+        return self.tensor.data_ptr()
+
+
+class _PaddleDtype:
+    def __init__(self, dtype, itemsize):
+        self.dtype, self.itemsize = dtype, itemsize
+
+    def __str__(self):
+        return str(self.dtype)
 
 
 class _TorchOps:
@@ -241,6 +283,9 @@ class _TorchOps:
         import torch
 
         self.torch = torch
+
+    def desc_base(self, t):
+        return t
 
     def owns(self, t):
         return isinstance(t, self.torch.Tensor)

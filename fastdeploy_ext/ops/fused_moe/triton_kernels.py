@@ -16,8 +16,10 @@ them for torch or Paddle tensors. The pipeline, all on the device (no host sync,
    output, so repeated runs are bit-identical.
 
 A GEMM program finds its expert and rows from ``offsets`` alone (``_tile_rows``); programs beyond the last tile,
-and experts without pairs, load nothing. int8 codes enter the dot as bf16 (exact) or fp32 and the per-column
-scale multiplies the fp32 accumulator: ``sum_c x_c q_co s_o = s_o sum_c x_c q_co``.
+and experts without pairs, load nothing. The weight tiles arrive by TMA through descriptors over the ``[E, in,
+out]`` tensors as stored (``[1, BK, BN]`` boxes, zero past the edges); the gathered rows of ``x`` and the sorted
+activations by ``cp.async``. int8 codes enter the dot as bf16 (exact) or fp32 and the per-column scale multiplies
+the fp32 accumulator: ``sum_c x_c q_co s_o = s_o sum_c x_c q_co``.
 """
 
 import triton
@@ -131,6 +133,29 @@ def _rounded(v, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
+def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr):
+    """The dot's B operand from a weight tile (``WIDEN_ASM``: int8 codes, bf16 dot, on a GPU).
+
+    Triton's own int8 -> bf16 conversion is elementwise, so its layout pass moves the conversion to the MMA
+    operand layout above it, and the codes, which the wint8 layout stores output-column contiguous, are then read
+    from shared memory one byte at a time (no ``ldmatrix.trans`` for 8-bit data). An ``inline_asm`` that is not
+    marked pure is not moved: the codes are read 16 bytes at a time, widened here, and the bf16 tile goes through
+    shared memory with ``ldmatrix.trans`` (or straight to ``wgmma``). The widening is Triton's: put each code
+    under a 0x43 byte (bf16 128 + its low 7 bits, or 256 + twice them when bit 7 is set) and subtract 128 or
+    256, exact for every int8.
+    """
+    if WIDEN_ASM:
+        return tl.inline_asm_elementwise(
+            """{ .reg .b32 l<3>; .reg .b32 h<3>;
+            prmt.b32 l0, $2, 0x43, 0x4140; prmt.b32 h0, $2, 0x43, 0x4342;
+            and.b32 l1, l0, 0xff7fff7f; and.b32 h1, h0, 0xff7fff7f;
+            and.b32 l2, l0, 0xff80ff80; and.b32 h2, h0, 0xff80ff80;
+            sub.bf16x2 $0, l1, l2; sub.bf16x2 $1, h1, h2; }""",
+            "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=False, pack=4)
+    return q.to(DOT_T)
+
+
+@triton.jit
 def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
     # GROUP_M M tiles side by side per N column: neighbouring programs share weight columns (same expert).
     per_group = GROUP_M * num_n
@@ -142,7 +167,7 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _up_gate_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E, H, 2I]: gate columns [0, I), up columns [I, 2I)
+    w_desc,  # TMA descriptor over [E, H, 2I] (gate columns [0, I), up columns [I, 2I)), block [1, BK, BN]
     scale_ptr,  # [E, 1, 2I] float32 (INT8 only)
     sorted_ptr,  # [P] int32 pair ids in expert order
     offsets_ptr,  # [E + 1] int32
@@ -164,6 +189,7 @@ def _up_gate_kernel(
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(I, BN), GROUP_M)
@@ -179,28 +205,22 @@ def _up_gate_kernel(
     kk = tl.arange(0, BK)
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, H)
-    # 64-bit where it can exceed 2**31 (expert base, token rows); offsets inside one expert's matrix are int32
-    # (the launcher checks H * 2I < 2**31), which keeps the pointer tiles small.
+    # Token rows in 64 bits (T * H can pass 2**31); the weights come by TMA, whose copy engine addresses in 64 bits.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
-    w_expert = w_ptr + e.to(tl.int64) * H * 2 * I
-    g_ptrs = w_expert + (k_lo + kk)[:, None] * (2 * I) + cols[None, :]
     acc_g = tl.zeros([BM, BN], tl.float32)
     acc_u = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            bg = tl.load(g_ptrs, mask=col_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I, mask=col_ok[None, :], other=0)
         else:
-            k_ok = (k0 + kk) < k_hi
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
-            bu = tl.load(g_ptrs + I, mask=k_ok[:, None] & col_ok[None, :], other=0)
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+        # Rows past H come back zero; rows of the next K split meet zero columns of a.
+        bg = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
+        bu = w_desc.load([e, k0, I + pid_n * BN]).reshape(BK, BN)
         a = a.to(DOT_T)
-        acc_g = tl.dot(a, bg.to(DOT_T), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu.to(DOT_T), acc_u, input_precision=PRECISION)
+        acc_g = tl.dot(a, _codes_bf16(bg, DOT_T, WIDEN_ASM), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, _codes_bf16(bu, DOT_T, WIDEN_ASM), acc_u, input_precision=PRECISION)
         x_ptrs += BK
-        g_ptrs += BK * 2 * I
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -247,7 +267,7 @@ def _silu_reduce_kernel(
 @triton.jit
 def _down_kernel(
     a_ptr,  # act [P, I] in sorted order
-    w_ptr,  # [E, I, H]
+    w_desc,  # TMA descriptor over [E, I, H], block [1, BK, BN]
     scale_ptr,  # [E, 1, H] float32 (INT8 only)
     sorted_ptr,
     offsets_ptr,
@@ -269,6 +289,7 @@ def _down_kernel(
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(H, BN), GROUP_M)
@@ -284,19 +305,15 @@ def _down_kernel(
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * I * H + (k_lo + kk)[:, None] * H + cols[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0)
         else:
-            k_ok = (k0 + kk) < k_hi
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
-        acc = tl.dot(a.to(DOT_T), b.to(DOT_T), acc, input_precision=PRECISION)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+        b = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
+        acc = tl.dot(a.to(DOT_T), _codes_bf16(b, DOT_T, WIDEN_ASM), acc, input_precision=PRECISION)
         a_ptrs += BK
-        w_ptrs += BK * H
     if INT8:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)

@@ -97,7 +97,7 @@ class FusedMoE(nn.Layer):
 
             on_gpu = fd_config.load_config.device == "gpu"
             kernel = select_moe_impl(on_gpu, self.compute_dtype, self.quant_method.method if quantized else None,
-                                     layer=prefix)
+                                     layer=prefix, intermediate_size=self.inter_per_rank)
             if kernel == "triton":
                 scales = (self.up_gate_proj_weight_scale, self.down_proj_weight_scale) if quantized else (None, None)
                 experts = TritonExperts((self.up_gate_proj_weight, self.down_proj_weight), scales)

@@ -217,7 +217,7 @@ from tests.layers.test_moe import Case, dequantized_from_definition, rel_err
 
 errors = {}
 for name, quant in (("float", None), ("wint8", QuantConfig(method="wint8"))):
-    case = Case(seed=14, tokens=19)
+    case = Case(seed=14, tokens=19, inter=48)  # the kernel's TMA needs inter * 1 byte (wint8) a multiple of 16
     moe, gate = case.build("device", "float32", quant=quant)
     x = paddle.to_tensor(case.x).astype("float32")
     dispatch = moe(x, gate).numpy()

@@ -87,9 +87,11 @@ def _torch_args(**change):
          "down_w must be contiguous"),
         (lambda a: a.update(up_gate_scale=a["x"]), "scales go with int8 experts only"),
         (lambda a: a.update(out=a["x"][:, :8].contiguous()), r"out must be float32 or bfloat16 \[5, 64\]"),
+        (lambda a: a.update(up_gate_w=a["up_gate_w"][:, :, :12].contiguous(), down_w=a["down_w"][:, :6].contiguous()),
+         "up half starts at column 6, 24 bytes into a row: inter must be a multiple of 4 for float32 weights"),
     ],
     ids=["x-dtype", "up-shape", "down-shape", "mixed-float", "half-int8", "ids-dtype", "weights-shape",
-         "noncontiguous", "scale-float", "out-shape"],
+         "noncontiguous", "scale-float", "out-shape", "up-half-unaligned"],
 )
 def test_fused_moe_rejects_bad_inputs(monkeypatch, change, match):
     pytest.importorskip("triton")
@@ -115,6 +117,29 @@ def test_int8_needs_float32_scales(monkeypatch):
     args.update(up_gate_scale=torch.ones(4, 1, 64), down_scale=torch.ones(4, 64))
     with pytest.raises(ValueError, match=r"down_scale must be float32 \[4, 1, 64\]"):
         fused_moe(**args)
+
+
+def test_int8_up_half_must_start_16_bytes_into_a_row(monkeypatch):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from fastdeploy_ext.ops.fused_moe import fused_moe
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = _torch_args(up_gate_w=torch.zeros(4, 64, 48, dtype=torch.int8),
+                       down_w=torch.zeros(4, 24, 64, dtype=torch.int8),
+                       up_gate_scale=torch.ones(4, 1, 48), down_scale=torch.ones(4, 1, 64))
+    with pytest.raises(ValueError, match="starts at column 24, 24 bytes into a row: inter must be a multiple of 16 "
+                                         "for int8 weights"):
+        fused_moe(**args)
+
+
+@pytest.mark.parametrize(
+    "fmt, inter, want",
+    [("wint8", 1152, "triton"), ("wint8", 24, "paddle"), ("wint8", 16, "triton"), (None, 24, "triton"),
+     (None, 4, "paddle"), (None, None, "triton")],
+)
+def test_select_moe_impl_takes_the_dispatch_for_unaligned_widths(fmt, inter, want):
+    assert select_moe_impl(True, "bfloat16", fmt, layer="l.experts", intermediate_size=inter) == want
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

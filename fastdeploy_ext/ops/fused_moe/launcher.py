@@ -190,7 +190,12 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
     if num_experts > _MAX_EXPERTS:
         raise ValueError(f"at most {_MAX_EXPERTS} experts, got {num_experts}")
     int8 = _dtype_name(up_gate_w) == "int8"
-    # The weights are read by TMA: rows and base addresses 16-byte aligned.
+    # The weights are read by TMA: rows, base addresses and the up half's first column 16-byte aligned (the
+    # interpreter refuses unaligned tile starts; requiring it everywhere keeps one set of accepted shapes).
+    if inter * up_gate_w.element_size() % 16:
+        raise ValueError(f"up_gate_w's up half starts at column {inter}, {inter * up_gate_w.element_size()} bytes "
+                         f"into a row: inter must be a multiple of {16 // up_gate_w.element_size()} for "
+                         f"{_dtype_name(up_gate_w)} weights")
     for name, w, width in (("up_gate_w", up_gate_w, 2 * inter), ("down_w", down_w, hidden)):
         if width * w.element_size() % 16 or w.data_ptr() % 16:
             raise ValueError(f"{name} rows ({width} x {w.element_size()} bytes) and its address must be 16-byte "

@@ -9,12 +9,15 @@ TRITON_EXPERT_FORMATS = (None, "wint8")
 _OTHER_FORMATS = ("wint4", "gptq", "fp8")
 
 
-def select_moe_impl(on_gpu: bool, activation_dtype: str, expert_format, *, layer: str = "") -> str:
+def select_moe_impl(on_gpu: bool, activation_dtype: str, expert_format, *, layer: str = "",
+                    intermediate_size: int | None = None) -> str:
     """``"triton"`` (``fused_moe``) on a GPU with bfloat16 activations and float or wint8 experts; ``"paddle"``
     (the layer's Paddle-op dispatch) on the CPU, whatever the format (it dequantizes one expert at a time), and
     on a GPU with float32/float16 activations and float or wint8 experts. wint4, GPTQ and FP8 experts on a GPU
     have no grouped kernel here: a :class:`ConfigError` naming ``layer`` says to dequantize them first.
-    ``activation_dtype``: a dtype or its name (``"bfloat16"``, ``paddle.bfloat16``, ``torch.bfloat16``)."""
+    ``activation_dtype``: a dtype or its name (``"bfloat16"``, ``paddle.bfloat16``, ``torch.bfloat16``).
+    ``intermediate_size`` (per rank): the kernel reads the up half of ``up_gate_w`` from column ``inter`` by TMA,
+    which needs that column 16 bytes into a row; other widths take the Paddle dispatch."""
     dtype = str(activation_dtype).rsplit(".", 1)[-1]
     if expert_format not in TRITON_EXPERT_FORMATS + _OTHER_FORMATS:
         raise ConfigError(f"'{layer}': unknown expert format {expert_format!r} (expected float (None), "
@@ -24,4 +27,6 @@ def select_moe_impl(on_gpu: bool, activation_dtype: str, expert_format, *, layer
     if expert_format in _OTHER_FORMATS:
         raise ConfigError(f"'{layer}': {expert_format} experts have no fused MoE kernel on the GPU; dequantize them "
                           "at load (list the layer in skip_modules / modules_to_not_convert) or quantize with wint8")
+    if intermediate_size is not None and intermediate_size * (1 if expert_format == "wint8" else 2) % 16:
+        return "paddle"
     return "triton" if dtype == "bfloat16" else "paddle"

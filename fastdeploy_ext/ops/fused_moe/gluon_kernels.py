@@ -150,6 +150,7 @@ def _up_gate_kernel_w8(
     GROUP_M: gl.constexpr,
     SPLIT_K: gl.constexpr,
     EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
     STAGES: gl.constexpr,  # 2: the next step's loads issued before this step's MMAs; 1: none
 ):
     NW: gl.constexpr = gl.num_warps()
@@ -195,6 +196,12 @@ def _up_gate_kernel_w8(
             wg_next = gl.load(g_ptrs + (k1 - k_lo) * row_words, mask=w_ok)
             wu_next = gl.load(g_ptrs + ((k1 - k_lo) * row_words + I // 4), mask=w_ok)
             a_next = gl.load(x_ptrs + (k1 - k_lo), mask=_a_mask(row_ok, k1, k_hi, kk, EVEN_K), other=0.0)
+        elif EVEN_K and EVEN_N:
+            # Every load in bounds (rows past the tile's end read token 0's row, and their results are dropped):
+            # no predicates and no zero fill.
+            wg = gl.load(g_ptrs + (k0 - k_lo) * row_words)
+            wu = gl.load(g_ptrs + ((k0 - k_lo) * row_words + I // 4))
+            a = gl.load(x_ptrs + (k0 - k_lo))
         else:
             w_ok = _step_mask(k0, k_hi, kw, col_ok, EVEN_K)
             wg = gl.load(g_ptrs + (k0 - k_lo) * row_words, mask=w_ok)
@@ -247,6 +254,7 @@ def _down_kernel_w8(
     GROUP_M: gl.constexpr,
     SPLIT_K: gl.constexpr,
     EVEN_K: gl.constexpr,
+    EVEN_N: gl.constexpr,
     STAGES: gl.constexpr,  # 2: the next step's loads issued before this step's MMAs; 1: none
 ):
     NW: gl.constexpr = gl.num_warps()
@@ -266,7 +274,8 @@ def _down_kernel_w8(
     kw = gl.arange(0, BK, layout=gl.SliceLayout(1, LW))
     k_lo = split * k_chunk
     k_hi = gl.minimum(k_lo + k_chunk, I)
-    a_ptrs = a_ptr + rows[:, None].to(gl.int64) * I + (k_lo + kk)[None, :]
+    # Rows past P clamped: an unmasked load then stays inside act (rows of other experts, results dropped).
+    a_ptrs = a_ptr + gl.minimum(rows, P - 1)[:, None].to(gl.int64) * I + (k_lo + kk)[None, :]
     row_words = H // 4
     col_ok = (pid_n * BNW + gl.arange(0, BNW, layout=gl.SliceLayout(0, LW))) < row_words
     w_ptrs = _word_ptrs(w_ptr, e.to(gl.int64) * I * row_words, k_lo, row_words, pid_n * BNW, BK, BNW)
@@ -282,6 +291,9 @@ def _down_kernel_w8(
             k1 = k0 + BK
             w_next = gl.load(w_ptrs + (k1 - k_lo) * row_words, mask=_step_mask(k1, k_hi, kw, col_ok, EVEN_K))
             a_next = gl.load(a_ptrs + (k1 - k_lo), mask=_a_mask(row_ok, k1, k_hi, kk, EVEN_K), other=0.0)
+        elif EVEN_K and EVEN_N:
+            w = gl.load(w_ptrs + (k0 - k_lo) * row_words)
+            a = gl.load(a_ptrs + (k0 - k_lo))
         else:
             w = gl.load(w_ptrs + (k0 - k_lo) * row_words, mask=_step_mask(k0, k_hi, kw, col_ok, EVEN_K))
             a = gl.load(a_ptrs + (k0 - k_lo), mask=_a_mask(row_ok, k0, k_hi, kk, EVEN_K), other=0.0)

@@ -140,7 +140,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
         _check_gluon(ops, x, int8, up, "up")
         ops.launch(_gluon()._up_gate_kernel_w8, grid, [x, up_gate_w, scale1, sorted_pairs, offsets, dest, num_experts,
                                                    num_pairs, top_k, tiles, chunk],
-                   H=hidden, I=inter, **_gluon_meta(up, e_pad, hidden))
+                   H=hidden, I=inter, **_gluon_meta(up, e_pad, hidden, inter))
     else:
         ops.launch(tk._up_gate_kernel, grid,
                    [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter,
@@ -161,7 +161,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
         _check_gluon(ops, x, int8, down, "down")
         ops.launch(_gluon()._down_kernel_w8, grid, [act, down_w, scale2, sorted_pairs, offsets, topk_weights, y,
                                                 num_experts, num_pairs, tiles, _k_chunk(inter, down)],
-                   H=hidden, I=inter, **_gluon_meta(down, e_pad, inter))
+                   H=hidden, I=inter, **_gluon_meta(down, e_pad, inter, hidden))
     else:
         ops.launch(tk._down_kernel, grid,
                    [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden,
@@ -184,9 +184,10 @@ def _gemm_meta(g, e_pad, int8, dot, depth):
                 WIDEN_ASM=int8 and dot[0] == "bfloat16", num_warps=g.num_warps, num_stages=g.num_stages)
 
 
-def _gluon_meta(g, e_pad, depth):
+def _gluon_meta(g, e_pad, depth, width):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                EVEN_K=depth % (g.block_k * g.split_k) == 0, STAGES=g.num_stages, num_warps=g.num_warps)
+                EVEN_K=depth % (g.block_k * g.split_k) == 0, EVEN_N=width % g.block_n == 0, STAGES=g.num_stages,
+                num_warps=g.num_warps)
 
 
 def _check_gluon(ops, x, int8, g, name):

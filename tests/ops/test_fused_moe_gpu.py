@@ -81,35 +81,6 @@ def test_int8_m1_tp8_vs_dequantized_float64(experts_tp8, tokens):
     assert err <= BF16_TOL
 
 
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="the Gluon int8 GEMMs are sm_90 kernels")
-
-
-def _gluon(*tile):
-    return GemmConfig(*tile, gluon=True)
-
-
-@sm90
-@pytest.mark.parametrize("tokens, cfg", [
-    (8, MoEConfig(_gluon(16, 128, 64, 4, 8, 4, 1), _gluon(16, 128, 64, 1, 8, 4, 1))),
-    (64, MoEConfig(_gluon(16, 128, 64, 1, 8, 4, 1), _gluon(16, 128, 64, 1, 8, 4, 2))),
-    (256, MoEConfig(_gluon(32, 128, 64, 1, 8, 4, 2), _gluon(32, 64, 64, 1, 8, 2, 1))),
-    # Ragged tiles: gate/up columns 1152 = 4.5 x 256 and a down K split of 1152 / (2 x 128) = 4.5 steps.
-    (64, MoEConfig(_gluon(16, 256, 64, 1, 8, 8, 1), _gluon(16, 128, 128, 2, 8, 4, 2))),
-])
-def test_int8_gluon_m1_tp8_vs_dequantized_float64(experts_tp8, tokens, cfg):
-    # The register-widening Gluon GEMMs (output columns permuted inside each tile, rejoined in the epilogue).
-    _, _, c1, c2, s1, s2 = experts_tp8
-    x, ids, w = routing(tokens, EXPERTS, seed=200 + tokens)
-    out = torch.full((tokens, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fused_moe(x, c1, c2, ids, w, up_gate_scale=s1, down_scale=s2, out=out, config=cfg)
-    err = rel_err(out, reference_fp64(x, c1, c2, ids, w, s1, s2))
-    print(f"int8 gluon T={tokens} {cfg}: rel err {err:.2e}")
-    assert err <= BF16_TOL
-    again = fused_moe(x, c1, c2, ids, w, up_gate_scale=s1, down_scale=s2, config=cfg)
-    assert torch.equal(again, out)
-
-
 def test_split_configs_and_repeat_bit_identical(experts_tp8):
     # Split K in both GEMMs, and the three-launch sort (many align blocks); runs repeat bit for bit.
     w1, w2, *_ = experts_tp8

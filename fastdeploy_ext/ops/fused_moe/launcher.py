@@ -24,11 +24,7 @@ _COMBINE_TOKENS = 4
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
-    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials).
-
-    ``gluon``: int8 experts with bf16 activations on sm_90 only, the ``gluon_kernels`` GEMM that widens the codes
-    in registers into the ``mma.sync`` operand; there ``block_n`` is a multiple of ``32 * num_warps`` and
-    ``num_stages`` is 1 or 2 (2: the next step's loads are issued before this step's MMAs)."""
+    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -37,7 +33,6 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    gluon: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,17 +130,10 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     tiles = max_tiles(num_pairs, num_experts, up.block_m)
     chunk = _k_chunk(hidden, up)
     dest = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
-    grid = (tiles * _cdiv(inter, up.block_n), up.split_k)
-    if up.gluon:
-        _check_gluon(ops, x, int8, up, "up")
-        ops.launch(_gluon()._up_gate_kernel_w8, grid, [x, up_gate_w, scale1, sorted_pairs, offsets, dest, num_experts,
-                                                   num_pairs, top_k, tiles, chunk],
-                   H=hidden, I=inter, **_gluon_meta(up, e_pad, hidden, inter))
-    else:
-        ops.launch(tk._up_gate_kernel, grid,
-                   [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter,
-                    num_experts, num_pairs, top_k, tiles, chunk],
-                   **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
+    ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
+               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
+                num_pairs, top_k, tiles, chunk],
+               **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
     if up.split_k > 1:
         ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
                    [dest, offsets, act, num_pairs, inter, num_experts],
@@ -156,17 +144,10 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     # Pair results in the output's dtype (the k-way sum is fp32 either way); K-split partials stay fp32.
     y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
     y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
-    grid = (tiles * _cdiv(hidden, down.block_n), down.split_k)
-    if down.gluon:
-        _check_gluon(ops, x, int8, down, "down")
-        ops.launch(_gluon()._down_kernel_w8, grid, [act, down_w, scale2, sorted_pairs, offsets, topk_weights, y,
-                                                num_experts, num_pairs, tiles, _k_chunk(inter, down)],
-                   H=hidden, I=inter, **_gluon_meta(down, e_pad, inter, hidden))
-    else:
-        ops.launch(tk._down_kernel, grid,
-                   [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden,
-                    inter, num_experts, num_pairs, tiles, _k_chunk(inter, down)],
-                   **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
+    ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
+               [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
+                num_experts, num_pairs, tiles, _k_chunk(inter, down)],
+               **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
                SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block,
@@ -182,27 +163,6 @@ def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
                 INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
                 WIDEN_ASM=int8 and dot[0] == "bfloat16", num_warps=g.num_warps, num_stages=g.num_stages)
-
-
-def _gluon_meta(g, e_pad, depth, width):
-    return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                EVEN_K=depth % (g.block_k * g.split_k) == 0, EVEN_N=width % g.block_n == 0, STAGES=g.num_stages,
-                num_warps=g.num_warps)
-
-
-def _check_gluon(ops, x, int8, g, name):
-    if not (int8 and _dtype_name(x) == "bfloat16" and ops.capability(x) == (9, 0)):
-        raise ValueError(f"config.{name}.gluon needs int8 experts, bfloat16 x and an sm_90 GPU (not the interpreter)")
-    if g.block_n % (32 * g.num_warps) or g.block_m % 16 or g.block_k % 16 or g.num_stages not in (1, 2):
-        raise ValueError(f"config.{name}.gluon needs block_n a multiple of 32 * num_warps, block_m and block_k of 16, "
-                         f"num_stages 1 or 2, got {g}")
-
-
-def _gluon():
-    # Imported on first use: Gluon (Triton's explicit-layout dialect) serves the sm_90 int8 path only.
-    from fastdeploy_ext.ops.fused_moe import gluon_kernels
-
-    return gluon_kernels
 
 
 def _weight_desc(ops, w, g):
@@ -332,11 +292,6 @@ class _TorchOps:
 
     def is_cuda(self, t):
         return t.device.type == "cuda"
-
-    def capability(self, t):
-        if not self.is_cuda(t) or launcher.interpreter_enabled():
-            return None
-        return tuple(self.torch.cuda.get_device_capability(t.device))
 
     def is_cpu(self, t):
         return t.device.type == "cpu"

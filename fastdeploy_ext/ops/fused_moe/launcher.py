@@ -11,6 +11,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
+from fastdeploy_ext.ops.fused_moe.selection import up_half_aligned
 from fastdeploy_ext.ops.lightning_attn import launcher
 
 __all__ = ["GemmConfig", "MoEConfig", "default_config", "fused_moe", "max_tiles"]
@@ -190,9 +191,8 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
     if num_experts > _MAX_EXPERTS:
         raise ValueError(f"at most {_MAX_EXPERTS} experts, got {num_experts}")
     int8 = _dtype_name(up_gate_w) == "int8"
-    # The weights are read by TMA: rows, base addresses and the up half's first column 16-byte aligned (the
-    # interpreter refuses unaligned tile starts; requiring it everywhere keeps one set of accepted shapes).
-    if inter * up_gate_w.element_size() % 16:
+    # The weights are read by TMA: rows, base addresses and the up half's first column 16-byte aligned.
+    if not up_half_aligned(inter, up_gate_w.element_size()):
         raise ValueError(f"up_gate_w's up half starts at column {inter}, {inter * up_gate_w.element_size()} bytes "
                          f"into a row: inter must be a multiple of {16 // up_gate_w.element_size()} for "
                          f"{_dtype_name(up_gate_w)} weights")

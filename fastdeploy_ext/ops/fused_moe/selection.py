@@ -2,11 +2,17 @@
 
 from fastdeploy_ext.config.base import ConfigError
 
-__all__ = ["TRITON_EXPERT_FORMATS", "select_moe_impl"]
+__all__ = ["TRITON_EXPERT_FORMATS", "select_moe_impl", "up_half_aligned"]
 
 # None: float experts (the activation dtype); "wint8": int8 codes with per-column float32 scales.
 TRITON_EXPERT_FORMATS = (None, "wint8")
 _OTHER_FORMATS = ("wint4", "gptq", "fp8")
+
+
+def up_half_aligned(inter: int, element_size: int) -> bool:
+    """The kernel reads the up half of ``up_gate_w`` from column ``inter`` by TMA, whose tiles must start on a
+    16-byte boundary of the row (the interpreter refuses others; the GPU path keeps the same accepted shapes)."""
+    return inter * element_size % 16 == 0
 
 
 def select_moe_impl(on_gpu: bool, activation_dtype: str, expert_format, *, layer: str = "",
@@ -27,6 +33,6 @@ def select_moe_impl(on_gpu: bool, activation_dtype: str, expert_format, *, layer
     if expert_format in _OTHER_FORMATS:
         raise ConfigError(f"'{layer}': {expert_format} experts have no fused MoE kernel on the GPU; dequantize them "
                           "at load (list the layer in skip_modules / modules_to_not_convert) or quantize with wint8")
-    if intermediate_size is not None and intermediate_size * (1 if expert_format == "wint8" else 2) % 16:
+    if intermediate_size is not None and not up_half_aligned(intermediate_size, 1 if expert_format == "wint8" else 2):
         return "paddle"
     return "triton" if dtype == "bfloat16" else "paddle"

@@ -53,6 +53,19 @@ def test_max_tiles_bounds_every_routing():
     assert max_tiles(4 * 17, 4, 16) == 4 * 2
 
 
+def test_align_block_one_program_for_few_pairs_many_blocks_beyond():
+    from fastdeploy_ext.ops.fused_moe.launcher import align_block
+
+    for pairs in (1, 2, 17, 255, 256, 257, 1000, 4096, 32768, 1 << 24):
+        block = align_block(pairs)
+        assert block & (block - 1) == 0, (pairs, block)
+        if pairs <= 256:
+            assert pairs <= block < max(32, 2 * pairs), (pairs, block)
+        else:
+            # Never the 1024-lane single program that took 268 us at 4096 pairs; a few dozen blocks or more.
+            assert 128 <= block <= 1024 and -(-pairs // block) >= min(64, -(-pairs // 128)), (pairs, block)
+
+
 def test_default_config_splits_k_only_for_few_tiles():
     from fastdeploy_ext.ops.fused_moe.launcher import default_config
 

@@ -81,7 +81,7 @@ def make_case(seed, tokens, hidden, inter, experts, top_k, *, dtype="float32", i
     return case
 
 
-def _config(up, down, align_block=1024):
+def _config(up, down, align_block=None):
     from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, MoEConfig
 
     return MoEConfig(GemmConfig(*up), GemmConfig(*down), align_block=align_block)

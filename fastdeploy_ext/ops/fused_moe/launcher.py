@@ -14,7 +14,7 @@ from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
 from fastdeploy_ext.ops.fused_moe.selection import up_half_aligned
 from fastdeploy_ext.ops.lightning_attn import launcher
 
-__all__ = ["GemmConfig", "MoEConfig", "default_config", "fused_moe", "max_tiles"]
+__all__ = ["GemmConfig", "MoEConfig", "align_block", "default_config", "fused_moe", "max_tiles"]
 
 _FLOAT_DTYPES = ("float32", "bfloat16")
 _ID_DTYPES = ("int32", "int64")
@@ -39,11 +39,12 @@ class GemmConfig:
 @dataclass(frozen=True)
 class MoEConfig:
     """``up``: the gate/up GEMM (``block_n`` columns of each of gate and up); ``down``: the down GEMM;
-    ``align_block``: pairs per align program (batches of more than 4 blocks sort in three launches)."""
+    ``align_block``: pairs per align program, a power of two (default: :func:`align_block`); a batch of more than
+    one block sorts in three launches."""
 
     up: GemmConfig = field(default_factory=GemmConfig)
     down: GemmConfig = field(default_factory=GemmConfig)
-    align_block: int = 1024
+    align_block: int | None = None
     combine_block: int = 512
 
 
@@ -74,6 +75,16 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     if int8:
         return MoEConfig(G(128, 64, 64, 1, 8, 4, 4), G(128, 128, 64, 1, 8, 4, 4))
     return MoEConfig(G(128, 128, 64, 1, 8, 8, 3), G(128, 256, 64, 1, 8, 8, 4))
+
+
+def align_block(num_pairs):
+    """Pairs per align program, as measured fastest on an H200 (docs/ops/fused_moe.md): up to 256 pairs, one
+    program over all of them; beyond, blocks of 128 to 1024 pairs, about 64 blocks. A program's scan over its
+    ``[block, E]`` one-hot matrix grows faster than its block: one program over 4096 pairs in blocks of 1024 took
+    268 us, the three launches over blocks of 128 took 6."""
+    if num_pairs <= 256:
+        return max(16, _next_pow2(num_pairs))
+    return min(1024, max(128, _next_pow2(num_pairs // 64)))
 
 
 def max_tiles(num_pairs, num_experts, block_m):
@@ -113,11 +124,11 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
 
     sorted_pairs = ops.empty([num_pairs], "int32", x)
     offsets = ops.empty([num_experts + 1], "int32", x)
-    num_blocks = _cdiv(num_pairs, cfg.align_block)
-    align_meta = dict(E_PAD=e_pad, BLOCK=cfg.align_block, num_warps=4)
-    if num_blocks <= 4:
-        # A decode batch's few pairs take a block of their own size, not align_block lanes.
-        align_meta["BLOCK"] = min(cfg.align_block, max(16, _next_pow2(num_pairs)))
+    block = cfg.align_block or align_block(num_pairs)
+    num_blocks = _cdiv(num_pairs, block)
+    # One block's few pairs take a block of their own size, not align_block lanes.
+    align_meta = dict(E_PAD=e_pad, BLOCK=min(block, max(16, _next_pow2(num_pairs))), num_warps=4)
+    if num_blocks == 1:
         ops.launch(tk._align_kernel, (1,), [topk_ids, sorted_pairs, offsets, num_pairs, num_experts], **align_meta)
     else:
         hist = ops.empty([num_blocks, e_pad], "int32", x)

@@ -101,6 +101,12 @@ CASES = {
     "int8_t17_e8_dead_nan": make_case(19, 17, 64, 64, 8, 2, int8=True, dead=(0, 3), runs=2,
                                       config=_config((16, 32, 32, 2), (16, 32, 32, 1))),
     "int8_bf16x_t17_e4_top2": make_case(20, 17, 64, 64, 4, 2, dtype="bfloat16", int8=True),
+    # Swapped operands (W^T x^T), with split K and partial tiles.
+    "fp32_t257_e8_top2_swap_split": make_case(21, 257, 128, 96, 8, 2,
+                                              config=_config((32, 64, 64, 2, 8, 4, 3, True),
+                                                             (16, 128, 32, 3, 8, 4, 3, True))),
+    "int8_t255_e8_top2_swap": make_case(22, 255, 128, 64, 8, 2, int8=True,
+                                        config=_config((16, 32, 32, 1, 8, 4, 3, True), (32, 64, 32, 1, 8, 4, 3, True))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),
@@ -189,3 +195,42 @@ def test_tolerances_can_fail():
     w1 = bf16["up_gate_w"]
     swapped = np.concatenate([w1[..., w1.shape[2] // 2:], w1[..., :w1.shape[2] // 2]], axis=2)
     assert rel_err(reference(dict(bf16, up_gate_w=swapped)), bf16_ref) > 10 * BF16_TOL
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_small_int8_tile_compiles_for_sm90(swap_ab):
+    # A real ptxas compile for sm_90 (no GPU needed). A 16-row tile runs on mma.sync; swapped, on wgmma with the
+    # widened codes as its register operand A and the 16 token rows as its N.
+    torch = pytest.importorskip("torch")
+    import re
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
+
+    hidden, inter, experts = 6144, 1152, 32
+    w = torch.zeros(experts, hidden, 2 * inter, dtype=torch.int8)
+    x, i32, f32 = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    fn = tk._up_gate_kernel
+    args = dict(x_ptr=x, w_desc=TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 64, 64]), scale_ptr=f32,
+                sorted_ptr=i32, offsets_ptr=i32, out_ptr=x)
+    consts = dict(E_PAD=32, BM=16, BN=64, BK=64, GROUP_M=8, SPLIT_K=1, INT8=True, DOT_T=tl.bfloat16,
+                  PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=swap_ab, ROUND_BF16=False)
+    signature = {n: mangle_type(args[n]) if n in args else "constexpr" if n in consts else "i32" for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()}),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 232448
+    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, "codes read from shared memory byte by byte"
+    if swap_ab:
+        assert "mma.sync" not in ptx
+        # {accumulators}, {4 registers of A}, B's shared-memory descriptor
+        wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16"
+        assert re.search(wgmma + r" \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd", ptx)
+    else:
+        assert "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx

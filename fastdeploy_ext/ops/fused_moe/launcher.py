@@ -25,7 +25,8 @@ _COMBINE_TOKENS = 4
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
-    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials)."""
+    ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials); ``swap_ab``:
+    each step computes ``(x W)^T = W^T x^T``, the weight tile as the MMA's first operand."""
 
     block_m: int = 64
     block_n: int = 64
@@ -34,6 +35,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class MoEConfig:
 def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     """Tiles by the mean rows per expert hit, as measured fastest at MiniMax-M1's tp=8 shapes on an H200
     (docs/ops/fused_moe.md). Few rows: weight streaming bounds the time, so one short tile per expert, and the
-    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles."""
+    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles. int8 at 5-32 rows
+    swaps the operands (``wgmma`` with the widened codes in registers, the token rows as its N side)."""
     G = GemmConfig
     rows = num_pairs / min(num_experts, num_pairs)
     if rows <= 2:
@@ -62,11 +65,11 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
         return MoEConfig(G(16, 64, 128, 2 if tiles <= 4 * 18 else 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
     if rows <= 8:
         if int8:
-            return MoEConfig(G(16, 64, 64, 1, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 3))
+            return MoEConfig(G(16, 64, 64, 1, 8, 4, 4), G(16, 128, 64, 1, 8, 4, 4, True))
         return MoEConfig(G(16, 64, 128, 1, 8, 4, 4), G(16, 128, 128, 1, 8, 4, 3))
     if rows <= 32:
         if int8:
-            return MoEConfig(G(32, 64, 128, 1, 8, 4, 4), G(32, 128, 64, 1, 8, 4, 4))
+            return MoEConfig(G(32, 64, 64, 1, 8, 4, 4, True), G(32, 128, 64, 1, 8, 4, 4, True))
         return MoEConfig(G(64, 64, 128, 1, 8, 4, 4), G(32, 128, 128, 1, 8, 4, 3))
     if rows <= 256:
         if int8:
@@ -174,7 +177,8 @@ def _k_chunk(depth, g):
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
                 INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
-                WIDEN_ASM=int8 and dot[0] == "bfloat16", num_warps=g.num_warps, num_stages=g.num_stages)
+                WIDEN_ASM=int8 and dot[0] == "bfloat16", SWAP_AB=g.swap_ab, num_warps=g.num_warps,
+                num_stages=g.num_stages)
 
 
 def _weight_desc(ops, w, g):

@@ -156,6 +156,27 @@ def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr):
 
 
 @triton.jit
+def _acc(BM: tl.constexpr, BN: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+    return acc
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc + a @ b``, or with ``SWAP_AB`` its transpose ``acc + b^T @ a^T``: the weight tile becomes the MMA's
+    first operand, which ``wgmma`` takes from registers (the widened codes need no shared-memory copy for it), and
+    the few token rows of a small batch its N side (``wgmma``'s N goes down to 8, its M only to 64)."""
+    if SWAP_AB:
+        acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
     # GROUP_M M tiles side by side per N column: neighbouring programs share weight columns (same expert).
     per_group = GROUP_M * num_n
@@ -190,6 +211,7 @@ def _up_gate_kernel(
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     WIDEN_ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(I, BN), GROUP_M)
@@ -207,8 +229,8 @@ def _up_gate_kernel(
     k_hi = tl.minimum(k_lo + k_chunk, H)
     # Token rows in 64 bits (T * H can pass 2**31); the weights come by TMA, whose copy engine addresses in 64 bits.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
-    acc_g = tl.zeros([BM, BN], tl.float32)
-    acc_u = tl.zeros([BM, BN], tl.float32)
+    acc_g = _acc(BM, BN, SWAP_AB)
+    acc_u = _acc(BM, BN, SWAP_AB)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -218,9 +240,11 @@ def _up_gate_kernel(
         bg = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
         bu = w_desc.load([e, k0, I + pid_n * BN]).reshape(BK, BN)
         a = a.to(DOT_T)
-        acc_g = tl.dot(a, _codes_bf16(bg, DOT_T, WIDEN_ASM), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, _codes_bf16(bu, DOT_T, WIDEN_ASM), acc_u, input_precision=PRECISION)
+        acc_g = _mma(a, _codes_bf16(bg, DOT_T, WIDEN_ASM), acc_g, PRECISION, SWAP_AB)
+        acc_u = _mma(a, _codes_bf16(bu, DOT_T, WIDEN_ASM), acc_u, PRECISION, SWAP_AB)
         x_ptrs += BK
+    if SWAP_AB:
+        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -290,6 +314,7 @@ def _down_kernel(
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     WIDEN_ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(H, BN), GROUP_M)
@@ -305,15 +330,17 @@ def _down_kernel(
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = _acc(BM, BN, SWAP_AB)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
         b = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
-        acc = tl.dot(a.to(DOT_T), _codes_bf16(b, DOT_T, WIDEN_ASM), acc, input_precision=PRECISION)
+        acc = _mma(a.to(DOT_T), _codes_bf16(b, DOT_T, WIDEN_ASM), acc, PRECISION, SWAP_AB)
         a_ptrs += BK
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if INT8:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)

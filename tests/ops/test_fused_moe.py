@@ -84,6 +84,12 @@ def _torch_args(**change):
     return args
 
 
+def _moe_config(**fields):
+    from fastdeploy_ext.ops.fused_moe.launcher import MoEConfig
+
+    return MoEConfig(**fields)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -102,9 +108,10 @@ def _torch_args(**change):
         (lambda a: a.update(out=a["x"][:, :8].contiguous()), r"out must be float32 or bfloat16 \[5, 64\]"),
         (lambda a: a.update(up_gate_w=a["up_gate_w"][:, :, :12].contiguous(), down_w=a["down_w"][:, :6].contiguous()),
          "up half starts at column 6, 24 bytes into a row: inter must be a multiple of 4 for float32 weights"),
+        (lambda a: a.update(config=_moe_config(align_block=96)), "config.align_block must be a power of two"),
     ],
     ids=["x-dtype", "up-shape", "down-shape", "mixed-float", "half-int8", "ids-dtype", "weights-shape",
-         "noncontiguous", "scale-float", "out-shape", "up-half-unaligned"],
+         "noncontiguous", "scale-float", "out-shape", "up-half-unaligned", "align-block"],
 )
 def test_fused_moe_rejects_bad_inputs(monkeypatch, change, match):
     pytest.importorskip("triton")

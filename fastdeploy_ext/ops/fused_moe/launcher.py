@@ -117,6 +117,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     if num_pairs == 0:
         return out
     cfg = config or default_config(num_pairs, num_experts, hidden, inter, int8)
+    if cfg.align_block is not None and (cfg.align_block < 16 or cfg.align_block & (cfg.align_block - 1)):
+        raise ValueError(f"config.align_block must be a power of two of at least 16, got {cfg.align_block}")
     interp = launcher.interpreter_enabled()
     # bf16 operands on tensor cores; fp32 IEEE otherwise, and always under the interpreter (NumPy has no bf16).
     dot = ("bfloat16", "tf32") if _dtype_name(x) == "bfloat16" and not interp else ("float32", "ieee")

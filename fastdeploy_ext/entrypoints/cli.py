@@ -115,7 +115,7 @@ def _cmd_demo(args) -> int:
 def _engine_kwargs(args) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
                 backend=args.backend, device=args.device, quantization=args.quantization,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _generate_requests(args):
@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantization", default=None, choices=["wint8", "wint4"], help="Weight-only quantization "
                    "while loading: int8 or int4 codes, one scale per output channel (default: none; GPTQ and FP8 "
                    "checkpoints are recognised from config.json).")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="Reuse the KV pages (and, for hybrid models, recurrent-state snapshots) of prompt prefixes "
+                   "that earlier prompts of the batch share; default: on where the model supports it.")
     g.add_argument("--no-tqdm", action="store_true", help="Do not show the progress bar.")
     g.set_defaults(func=_cmd_generate)
 

@@ -201,3 +201,18 @@ def test_rank_logs_carry_no_paddle_noise(tiny_qwen2_dir, monkeypatch):
         logs = [open(os.path.join(log_dir, f"workerlog.{r}")).read() for r in range(2)]
     for log in logs:
         assert "rank " in log and not NOISE.search(log), log
+
+
+def test_generate_takes_the_prefix_caching_switch(tmp_path):
+    from fastdeploy_ext.entrypoints.cli import _engine_kwargs
+
+    d = str(tmp_path / "tiny")
+    assert run_cli("make-tiny", "--arch", "MiniMaxM1ForCausalLM", "--out", d).returncode == 0
+    shared = "the music of the day " * 12
+    args = ["generate", "--model", d, "--prompt", shared + "one", "--prompt", shared + "two", "--max-tokens", "4",
+            "--no-tqdm"]
+    for flag, want in (([], None), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)):
+        assert _engine_kwargs(build_parser().parse_args(args + flag))["enable_prefix_caching"] is want
+    on, off = run_cli(*args, "--enable-prefix-caching"), run_cli(*args, "--no-enable-prefix-caching")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    assert on.stdout.count("finish_reason=") == 2 and on.stdout == off.stdout

@@ -53,8 +53,9 @@ class MoEConfig:
 def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     """Tiles by the mean rows per expert hit, as measured fastest at MiniMax-M1's tp=8 shapes on an H200
     (docs/ops/fused_moe.md). Few rows: weight streaming bounds the time, so one short tile per expert, and the
-    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles. int8 at 5-32 rows
-    swaps the operands (``wgmma`` with the widened codes in registers, the token rows as its N side)."""
+    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles. int8 swaps the operands
+    (``wgmma`` with the widened codes in registers, the token rows as its N side) of the down GEMM above 2 rows
+    and of the gate/up GEMM above 8, up to 32 rows."""
     G = GemmConfig
     rows = num_pairs / min(num_experts, num_pairs)
     if rows <= 2:

@@ -112,10 +112,20 @@ def eager_us(fn, rotate):
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3 / rotate
 
 
-def candidates(tokens):
+def candidates(tokens, int8=False):
     """(up configs, down configs) tried by --sweep: GemmConfig(block_m, block_n, block_k, split_k, group_m,
-    num_warps, num_stages[, swap_ab])."""
+    num_warps, num_stages[, swap_ab]). int8 tries swapped tiles of every size (the widened codes stay in
+    registers when ``block_n`` is a multiple of 64)."""
     G = GemmConfig
+    if int8 and tokens > 8:
+        m = 16 if tokens <= 64 else 32 if tokens <= 256 else 64
+        up = [G(m, 64, 64, 1, 8, 4, 4, True), G(m, 128, 64, 1, 8, 4, 4, True), G(m, 128, 64, 1, 8, 4, 3, True),
+              G(m, 128, 128, 1, 8, 4, 3, True), G(m, 64, 128, 1, 8, 4, 4, True), G(2 * m, 128, 64, 1, 8, 8, 3, True),
+              G(m, 128, 64, 1, 8, 8, 4, True)]
+        down = [G(m, 128, 64, 1, 8, 4, 4, True), G(m, 128, 128, 1, 8, 4, 3, True), G(m, 256, 64, 1, 8, 4, 3, True),
+                G(2 * m, 128, 64, 1, 8, 4, 4, True), G(2 * m, 128, 64, 1, 8, 8, 3, True),
+                G(2 * m, 256, 64, 1, 8, 8, 3, True), G(m, 128, 64, 1, 8, 4, 3, True)]
+        return up, down
     if tokens <= 8:
         up = [G(16, 64, 128, 2, 8, 4, 4), G(16, 64, 128, 1, 8, 4, 4), G(16, 64, 128, 4, 8, 4, 3),
               G(16, 64, 128, 2, 8, 4, 3), G(16, 64, 128, 4, 8, 4, 2), G(16, 128, 128, 2, 8, 4, 3)]
@@ -142,7 +152,7 @@ def candidates(tokens):
 def sweep(run, check, tokens, int8, log):
     """Coordinate descent: the best up config with the default down, then the best down with it."""
     base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8)
-    ups, downs = candidates(tokens)
+    ups, downs = candidates(tokens, int8)
     best, best_us = base, None
 
     def trial(cfg):

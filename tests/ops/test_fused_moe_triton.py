@@ -107,6 +107,10 @@ CASES = {
                                                              (16, 128, 32, 3, 8, 4, 3, True))),
     "int8_t255_e8_top2_swap": make_case(22, 255, 128, 64, 8, 2, int8=True,
                                         config=_config((16, 32, 32, 1, 8, 4, 3, True), (32, 64, 32, 1, 8, 4, 3, True))),
+    # Swapped int8 tiles 128 columns wide, read in permuted column order (partial N tiles in both GEMMs).
+    "int8_bf16x_t257_e8_top2_swap_perm": make_case(23, 257, 192, 96, 8, 2, dtype="bfloat16", int8=True,
+                                                   config=_config((32, 128, 64, 1, 8, 4, 3, True),
+                                                                  (64, 128, 32, 1, 8, 4, 3, True))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),
@@ -197,10 +201,11 @@ def test_tolerances_can_fail():
     assert rel_err(reference(dict(bf16, up_gate_w=swapped)), bf16_ref) > 10 * BF16_TOL
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_small_int8_tile_compiles_for_sm90(swap_ab):
+@pytest.mark.parametrize("swap_ab,block_n", [(False, 64), (True, 64), (True, 128)])
+def test_small_int8_tile_compiles_for_sm90(swap_ab, block_n):
     # A real ptxas compile for sm_90 (no GPU needed). A 16-row tile runs on mma.sync; swapped, on wgmma with the
-    # widened codes as its register operand A and the 16 token rows as its N.
+    # widened codes as its register operand A and the 16 token rows as its N, the codes read from shared memory
+    # 2 or 4 at a time straight into that operand's layout (no widened tile in shared memory, so no ldmatrix).
     torch = pytest.importorskip("torch")
     import re
 
@@ -212,17 +217,22 @@ def test_small_int8_tile_compiles_for_sm90(swap_ab):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, _permutes, _swapped_warps_m
 
     hidden, inter, experts = 6144, 1152, 32
+    g = GemmConfig(16, block_n, 64, 1, 8, 4, 4, swap_ab)
     w = torch.zeros(experts, hidden, 2 * inter, dtype=torch.int8)
     x, i32, f32 = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     fn = tk._up_gate_kernel
-    args = dict(x_ptr=x, w_desc=TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 64, 64]), scale_ptr=f32,
-                sorted_ptr=i32, offsets_ptr=i32, out_ptr=x)
-    consts = dict(E_PAD=32, BM=16, BN=64, BK=64, GROUP_M=8, SPLIT_K=1, INT8=True, DOT_T=tl.bfloat16,
-                  PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=swap_ab, ROUND_BF16=False)
+    args = dict(x_ptr=x, w_desc=TensorDescriptor(w, list(w.shape), list(w.stride()), [1, g.block_k, g.block_n]),
+                scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32, out_ptr=x)
+    consts = dict(E_PAD=32, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=8, SPLIT_K=1, INT8=True,
+                  DOT_T=tl.bfloat16, PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=swap_ab,
+                  PERM=_permutes(g, True), WARPS_M=_swapped_warps_m(g), ROUND_BF16=False)
     signature = {n: mangle_type(args[n]) if n in args else "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()}),
+    # A launch specializes pointers and sizes divisible by 16 (6144, 1152): so does this compile.
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*args, "H", "I") if n != "w_desc"}
+    compiled = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.shared <= 232448
@@ -232,5 +242,9 @@ def test_small_int8_tile_compiles_for_sm90(swap_ab):
         # {accumulators}, {4 registers of A}, B's shared-memory descriptor
         wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16"
         assert re.search(wgmma + r" \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd", ptx)
+        assert "ldmatrix" not in ptx
+        # Per K step: gate and up, block_k / 16 MMA steps, 4 K rows of codes per thread and step.
+        read = {64: "ld.shared.v2.b8", 128: "ld.shared.b32"}[block_n]
+        assert ptx.count(read) >= 2 * (g.block_k // 16) * 4, read
     else:
         assert "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx

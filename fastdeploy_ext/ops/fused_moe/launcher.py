@@ -180,8 +180,24 @@ def _k_chunk(depth, g):
 def _gemm_meta(g, e_pad, int8, dot, depth):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
                 INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
-                WIDEN_ASM=int8 and dot[0] == "bfloat16", SWAP_AB=g.swap_ab, num_warps=g.num_warps,
+                WIDEN_ASM=int8 and dot[0] == "bfloat16", SWAP_AB=g.swap_ab, PERM=_permutes(g, int8),
+                WARPS_M=_swapped_warps_m(g), num_warps=g.num_warps,
                 num_stages=g.num_stages)
+
+
+def _swapped_warps_m(g):
+    """The warps over a swapped MMA's rows (the weight tile's columns) in Triton's Hopper MMA layout: 4, doubled
+    while each would hold more than 16 rows and warps remain."""
+    warps = 4
+    while warps < g.num_warps and g.block_n > 16 * warps:
+        warps *= 2
+    return warps
+
+
+def _permutes(g, int8):
+    # Swapped int8 tiles are read in the column order that puts neighbouring codes in one thread (triton_kernels.
+    # _permuted), where the tile splits evenly over the MMA's warps.
+    return int8 and g.swap_ab and g.num_warps >= 4 and g.block_n % (16 * _swapped_warps_m(g)) == 0
 
 
 def _weight_desc(ops, w, g):

@@ -133,16 +133,18 @@ def _rounded(v, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr):
-    """The dot's B operand from a weight tile (``WIDEN_ASM``: int8 codes, bf16 dot, on a GPU).
+def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr, PERM: tl.constexpr):
+    """The dot's weight operand from a weight tile (``WIDEN_ASM``: int8 codes, bf16 dot, on a GPU).
 
     Triton's own int8 -> bf16 conversion is elementwise, so its layout pass moves the conversion to the MMA
     operand layout above it, and the codes, which the wint8 layout stores output-column contiguous, are then read
     from shared memory one byte at a time (no ``ldmatrix.trans`` for 8-bit data). An ``inline_asm`` that is not
     marked pure is not moved: the codes are read 16 bytes at a time, widened here, and the bf16 tile goes through
-    shared memory with ``ldmatrix.trans`` (or straight to ``wgmma``). The widening is Triton's: put each code
-    under a 0x43 byte (bf16 128 + its low 7 bits, or 256 + twice them when bit 7 is set) and subtract 128 or
-    256, exact for every int8.
+    shared memory with ``ldmatrix.trans`` (or straight to ``wgmma``). With ``PERM`` the tile's columns are already
+    in :func:`_permuted` order, where the operand layout puts 2 or 4 neighbouring columns in each thread: the
+    conversion may move up, the codes are read 2 or 4 bytes at a time in the layout ``wgmma`` takes them in, and
+    the widened tile never touches shared memory. The widening is Triton's: put each code under a 0x43 byte (bf16
+    128 + its low 7 bits, or 256 + twice them when bit 7 is set) and subtract 128 or 256, exact for every int8.
     """
     if WIDEN_ASM:
         return tl.inline_asm_elementwise(
@@ -151,8 +153,40 @@ def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr):
             and.b32 l1, l0, 0xff7fff7f; and.b32 h1, h0, 0xff7fff7f;
             and.b32 l2, l0, 0xff80ff80; and.b32 h2, h0, 0xff80ff80;
             sub.bf16x2 $0, l1, l2; sub.bf16x2 $1, h1, h2; }""",
-            "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=False, pack=4)
+            "=r,=r,r", [q], dtype=tl.bfloat16, is_pure=PERM, pack=4)
     return q.to(DOT_T)
+
+
+@triton.jit
+def _permuted(q, BK: tl.constexpr, BN: tl.constexpr, WARPS_M: tl.constexpr):
+    """The ``[BK, BN]`` weight tile with its columns reordered for a swapped ``wgmma`` whose ``WARPS_M`` warps
+    split the operand's rows: there, thread ``t`` of warp ``w`` holds rows ``16 w + t // 4 + 8 b + 16 WARPS_M d``
+    (``b`` in {0, 1}, ``d`` < ``D = BN // (16 WARPS_M)``). Column ``n = 16 D w + 2 D a + 2 d + b`` (``a`` < 8)
+    becomes operand row ``m = 16 WARPS_M d + 16 w + 8 b + a``, so each thread's ``2 D`` rows are neighbouring
+    columns in memory; :func:`_tile_cols` maps the rows back. Any ``WARPS_M`` computes the same product."""
+    D: tl.constexpr = BN // (16 * WARPS_M)
+    q = tl.reshape(q, [BK, WARPS_M, 8, D, 2])
+    q = tl.permute(q, [0, 3, 1, 4, 2])
+    return tl.reshape(q, [BK, BN])
+
+
+@triton.jit
+def _tile_cols(BN: tl.constexpr, PERM: tl.constexpr, WARPS_M: tl.constexpr):
+    """The output column (within the tile) of each accumulator column: the identity, or :func:`_permuted`'s."""
+    m = tl.arange(0, BN)
+    if PERM:
+        D: tl.constexpr = BN // (16 * WARPS_M)
+        m = (m // 8) % 2 + 2 * (m // (16 * WARPS_M)) + 2 * D * (m % 8) + 16 * D * ((m // 16) % WARPS_M)
+    return m
+
+
+@triton.jit
+def _weight_tile(w_desc, e, k0, n0, BK: tl.constexpr, BN: tl.constexpr, DOT_T: tl.constexpr,
+                 WIDEN_ASM: tl.constexpr, PERM: tl.constexpr, WARPS_M: tl.constexpr):
+    q = w_desc.load([e, k0, n0]).reshape(BK, BN)
+    if PERM:
+        q = _permuted(q, BK, BN, WARPS_M)
+    return _codes_bf16(q, DOT_T, WIDEN_ASM, PERM)
 
 
 @triton.jit
@@ -212,6 +246,8 @@ def _up_gate_kernel(
     EVEN_K: tl.constexpr,
     WIDEN_ASM: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PERM: tl.constexpr,
+    WARPS_M: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(I, BN), GROUP_M)
@@ -222,7 +258,7 @@ def _up_gate_kernel(
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
     tok = (tl.load(sorted_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
-    cols = pid_n * BN + tl.arange(0, BN)
+    cols = pid_n * BN + _tile_cols(BN, PERM, WARPS_M)
     col_ok = cols < I
     kk = tl.arange(0, BK)
     k_lo = split * k_chunk
@@ -237,11 +273,11 @@ def _up_gate_kernel(
         else:
             a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
         # Rows past H come back zero; rows of the next K split meet zero columns of a.
-        bg = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
-        bu = w_desc.load([e, k0, I + pid_n * BN]).reshape(BK, BN)
+        bg = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
+        bu = _weight_tile(w_desc, e, k0, I + pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
         a = a.to(DOT_T)
-        acc_g = _mma(a, _codes_bf16(bg, DOT_T, WIDEN_ASM), acc_g, PRECISION, SWAP_AB)
-        acc_u = _mma(a, _codes_bf16(bu, DOT_T, WIDEN_ASM), acc_u, PRECISION, SWAP_AB)
+        acc_g = _mma(a, bg, acc_g, PRECISION, SWAP_AB)
+        acc_u = _mma(a, bu, acc_u, PRECISION, SWAP_AB)
         x_ptrs += BK
     if SWAP_AB:
         acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
@@ -315,6 +351,8 @@ def _down_kernel(
     EVEN_K: tl.constexpr,
     WIDEN_ASM: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PERM: tl.constexpr,
+    WARPS_M: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(H, BN), GROUP_M)
@@ -324,7 +362,7 @@ def _down_kernel(
         return
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
-    cols = pid_n * BN + tl.arange(0, BN)
+    cols = pid_n * BN + _tile_cols(BN, PERM, WARPS_M)
     col_ok = cols < H
     kk = tl.arange(0, BK)
     k_lo = split * k_chunk
@@ -336,8 +374,8 @@ def _down_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-        b = w_desc.load([e, k0, pid_n * BN]).reshape(BK, BN)
-        acc = _mma(a.to(DOT_T), _codes_bf16(b, DOT_T, WIDEN_ASM), acc, PRECISION, SWAP_AB)
+        b = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
+        acc = _mma(a.to(DOT_T), b, acc, PRECISION, SWAP_AB)
         a_ptrs += BK
     if SWAP_AB:
         acc = tl.trans(acc)

@@ -205,7 +205,8 @@ def test_tolerances_can_fail():
 def test_small_int8_tile_compiles_for_sm90(swap_ab, block_n):
     # A real ptxas compile for sm_90 (no GPU needed). A 16-row tile runs on mma.sync; swapped, on wgmma with the
     # widened codes as its register operand A and the 16 token rows as its N, the codes read from shared memory
-    # 2 or 4 at a time straight into that operand's layout (no widened tile in shared memory, so no ldmatrix).
+    # 2 or 4 at a time straight into that operand's layout (no widened tile in shared memory, so no ldmatrix in the
+    # K loop).
     torch = pytest.importorskip("torch")
     import re
 
@@ -242,9 +243,12 @@ def test_small_int8_tile_compiles_for_sm90(swap_ab, block_n):
         # {accumulators}, {4 registers of A}, B's shared-memory descriptor
         wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16"
         assert re.search(wgmma + r" \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd", ptx)
-        assert "ldmatrix" not in ptx
+        # Up to the last MMA (the epilogue transposes the accumulator through shared memory, once per tile).
+        assert "ldmatrix" not in ptx[:ptx.rindex("wgmma.mma_async")]
         # Per K step: gate and up, block_k / 16 MMA steps, 4 K rows of codes per thread and step.
         read = {64: "ld.shared.v2.b8", 128: "ld.shared.b32"}[block_n]
         assert ptx.count(read) >= 2 * (g.block_k // 16) * 4, read
+        # The accumulator back in column order: the activations are stored 16 bytes at a time, not column by column.
+        assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     else:
         assert "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx

@@ -163,7 +163,7 @@ def _permuted(q, BK: tl.constexpr, BN: tl.constexpr, WARPS_M: tl.constexpr):
     split the operand's rows: there, thread ``t`` of warp ``w`` holds rows ``16 w + t // 4 + 8 b + 16 WARPS_M d``
     (``b`` in {0, 1}, ``d`` < ``D = BN // (16 WARPS_M)``). Column ``n = 16 D w + 2 D a + 2 d + b`` (``a`` < 8)
     becomes operand row ``m = 16 WARPS_M d + 16 w + 8 b + a``, so each thread's ``2 D`` rows are neighbouring
-    columns in memory; :func:`_tile_cols` maps the rows back. Any ``WARPS_M`` computes the same product."""
+    columns in memory; :func:`_unpermuted` puts the accumulator back. Any ``WARPS_M`` computes the same product."""
     D: tl.constexpr = BN // (16 * WARPS_M)
     q = tl.reshape(q, [BK, WARPS_M, 8, D, 2])
     q = tl.permute(q, [0, 3, 1, 4, 2])
@@ -171,13 +171,14 @@ def _permuted(q, BK: tl.constexpr, BN: tl.constexpr, WARPS_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_cols(BN: tl.constexpr, PERM: tl.constexpr, WARPS_M: tl.constexpr):
-    """The output column (within the tile) of each accumulator column: the identity, or :func:`_permuted`'s."""
-    m = tl.arange(0, BN)
-    if PERM:
-        D: tl.constexpr = BN // (16 * WARPS_M)
-        m = (m // 8) % 2 + 2 * (m // (16 * WARPS_M)) + 2 * D * (m % 8) + 16 * D * ((m // 16) % WARPS_M)
-    return m
+def _unpermuted(acc, BM: tl.constexpr, BN: tl.constexpr, WARPS_M: tl.constexpr):
+    """``[BM, BN]`` accumulator columns from :func:`_permuted`'s order back to the tile's: the inverse reshape,
+    permute and reshape. Each thread's neighbouring columns stay in its registers, so the epilogue's scales and
+    stores are contiguous again."""
+    D: tl.constexpr = BN // (16 * WARPS_M)
+    acc = tl.reshape(acc, [BM, D, WARPS_M, 2, 8])
+    acc = tl.permute(acc, [0, 2, 4, 1, 3])
+    return tl.reshape(acc, [BM, BN])
 
 
 @triton.jit
@@ -258,7 +259,7 @@ def _up_gate_kernel(
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
     tok = (tl.load(sorted_ptr + rows, mask=row_ok, other=0) // top_k).to(tl.int64)
-    cols = pid_n * BN + _tile_cols(BN, PERM, WARPS_M)
+    cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < I
     kk = tl.arange(0, BK)
     k_lo = split * k_chunk
@@ -281,6 +282,8 @@ def _up_gate_kernel(
         x_ptrs += BK
     if SWAP_AB:
         acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
+    if PERM:
+        acc_g, acc_u = _unpermuted(acc_g, BM, BN, WARPS_M), _unpermuted(acc_u, BM, BN, WARPS_M)
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -362,7 +365,7 @@ def _down_kernel(
         return
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
-    cols = pid_n * BN + _tile_cols(BN, PERM, WARPS_M)
+    cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < H
     kk = tl.arange(0, BK)
     k_lo = split * k_chunk
@@ -379,6 +382,8 @@ def _down_kernel(
         a_ptrs += BK
     if SWAP_AB:
         acc = tl.trans(acc)
+    if PERM:
+        acc = _unpermuted(acc, BM, BN, WARPS_M)
     if INT8:
         acc *= tl.load(scale_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0)[None, :]
     pair = tl.load(sorted_ptr + rows, mask=row_ok, other=0)

@@ -53,8 +53,9 @@ class MoEConfig:
 def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     """Tiles by the mean rows per expert hit, as measured fastest at MiniMax-M1's tp=8 shapes on an H200
     (docs/ops/fused_moe.md). Few rows: weight streaming bounds the time, so one short tile per expert, and the
-    gate/up K loop split while a handful of experts cannot fill the GPU; many rows: large tiles. int8 swaps the operands
-    (``wgmma`` with the widened codes in registers, the token rows as its N side) above 2 rows."""
+    gate/up K loop split while a handful of experts cannot fill the GPU (and for int8 at 9-32 rows, where 2.5 tiles
+    per SM left a tail); many rows: large tiles. int8 swaps the operands (``wgmma`` with the widened codes in
+    registers, the token rows as its N side) above 2 rows."""
     G = GemmConfig
     rows = num_pairs / min(num_experts, num_pairs)
     if rows <= 2:
@@ -69,7 +70,7 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
         return MoEConfig(G(16, 64, 128, 1, 8, 4, 4), G(16, 128, 128, 1, 8, 4, 3))
     if rows <= 32:
         if int8:
-            return MoEConfig(G(32, 128, 64, 1, 4, 4, 3, True), G(32, 256, 64, 1, 8, 4, 3, True))
+            return MoEConfig(G(32, 128, 64, 2, 4, 4, 3, True), G(32, 256, 64, 1, 8, 4, 3, True))
         return MoEConfig(G(64, 64, 128, 1, 8, 4, 4), G(32, 128, 128, 1, 8, 4, 3))
     if rows <= 256:
         if int8:

@@ -141,8 +141,8 @@ def _codes_bf16(q, DOT_T: tl.constexpr, WIDEN_ASM: tl.constexpr, PERM: tl.conste
     from shared memory one byte at a time (no ``ldmatrix.trans`` for 8-bit data). An ``inline_asm`` that is not
     marked pure is not moved: the codes are read 16 bytes at a time, widened here, and the bf16 tile goes through
     shared memory with ``ldmatrix.trans`` (or straight to ``wgmma``). With ``PERM`` the tile's columns are already
-    in :func:`_permuted` order, where the operand layout puts 2 or 4 neighbouring columns in each thread: the
-    conversion may move up, the codes are read 2 or 4 bytes at a time in the layout ``wgmma`` takes them in, and
+    in :func:`_permuted` order, where the operand layout puts 2 to 8 neighbouring columns in each thread: the
+    conversion may move up, the codes are read 2 to 8 bytes at a time in the layout ``wgmma`` takes them in, and
     the widened tile never touches shared memory. The widening is Triton's: put each code under a 0x43 byte (bf16
     128 + its low 7 bits, or 256 + twice them when bit 7 is set) and subtract 128 or 256, exact for every int8.
     """

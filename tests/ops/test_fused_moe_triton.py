@@ -111,6 +111,10 @@ CASES = {
     "int8_bf16x_t257_e8_top2_swap_perm": make_case(23, 257, 192, 96, 8, 2, dtype="bfloat16", int8=True,
                                                    config=_config((32, 128, 64, 1, 8, 4, 3, True),
                                                                   (64, 128, 32, 1, 8, 4, 3, True))),
+    # The same on 8 warps: 8 warps over the operand rows, 1 or 2 row blocks per warp (the 16384-token down tile).
+    "int8_t17_e4_top2_swap_perm_8warps": make_case(24, 17, 320, 160, 4, 2, int8=True,
+                                                   config=_config((32, 128, 64, 1, 8, 8, 3, True),
+                                                                  (64, 256, 32, 1, 8, 8, 3, True))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),

@@ -114,14 +114,15 @@ def eager_us(fn, rotate):
 
 def candidates(tokens, int8=False):
     """(up configs, down configs) tried by --sweep: GemmConfig(block_m, block_n, block_k, split_k, group_m,
-    num_warps, num_stages[, swap_ab]). int8 tries swapped tiles of every size (the widened codes stay in
-    registers when ``block_n`` is a multiple of 64)."""
+    num_warps, num_stages[, swap_ab[, joined]]). int8 tries swapped tiles of every size (the widened codes stay in
+    registers when ``block_n`` is a multiple of 64), and gate and up joined in one MMA."""
     G = GemmConfig
     if int8 and tokens > 8:
         m = 16 if tokens <= 64 else 32 if tokens <= 256 else 64
         up = [G(m, 64, 64, 1, 8, 4, 4, True), G(m, 128, 64, 1, 8, 4, 4, True), G(m, 128, 64, 1, 8, 4, 3, True),
               G(m, 128, 128, 1, 8, 4, 3, True), G(m, 64, 128, 1, 8, 4, 4, True), G(2 * m, 128, 64, 1, 8, 8, 3, True),
-              G(m, 128, 64, 1, 8, 8, 4, True), G(m, 128, 64, 1, 4, 4, 3, True), G(m, 128, 64, 2, 4, 4, 3, True)]
+              G(m, 128, 64, 1, 8, 8, 4, True), G(m, 128, 64, 1, 4, 4, 3, True), G(m, 128, 64, 2, 4, 4, 3, True),
+              G(2 * m, 64, 64, 1, 8, 4, 4, True, True), G(2 * m, 128, 64, 1, 8, 8, 3, True, True)]
         down = [G(m, 128, 64, 1, 8, 4, 4, True), G(m, 128, 128, 1, 8, 4, 3, True), G(m, 256, 64, 1, 8, 4, 3, True),
                 G(2 * m, 128, 64, 1, 8, 4, 4, True), G(2 * m, 128, 64, 1, 8, 8, 3, True),
                 G(2 * m, 256, 64, 1, 8, 8, 3, True), G(m, 128, 64, 1, 8, 4, 3, True)]

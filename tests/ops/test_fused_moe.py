@@ -91,6 +91,12 @@ def _moe_config(**fields):
     return MoEConfig(**fields)
 
 
+def _gemm_config(**fields):
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig
+
+    return GemmConfig(**fields)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -110,9 +116,11 @@ def _moe_config(**fields):
         (lambda a: a.update(up_gate_w=a["up_gate_w"][:, :, :12].contiguous(), down_w=a["down_w"][:, :6].contiguous()),
          "up half starts at column 6, 24 bytes into a row: inter must be a multiple of 4 for float32 weights"),
         (lambda a: a.update(config=_moe_config(align_block=96)), "config.align_block must be a power of two"),
+        (lambda a: a.update(config=_moe_config(down=_gemm_config(joined=True))),
+         "config.down.joined: only the gate/up GEMM has two halves to join"),
     ],
     ids=["x-dtype", "up-shape", "down-shape", "mixed-float", "half-int8", "ids-dtype", "weights-shape",
-         "noncontiguous", "scale-float", "out-shape", "up-half-unaligned", "align-block"],
+         "noncontiguous", "scale-float", "out-shape", "up-half-unaligned", "align-block", "down-joined"],
 )
 def test_fused_moe_rejects_bad_inputs(monkeypatch, change, match):
     pytest.importorskip("triton")

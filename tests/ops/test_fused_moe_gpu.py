@@ -70,7 +70,7 @@ def test_bf16_m1_tp8_vs_float64(experts_tp8, tokens):
     assert err <= BF16_TOL
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 256, 2048])
+@pytest.mark.parametrize("tokens", [1, 64, 256, 2048, 8192])
 def test_int8_m1_tp8_vs_dequantized_float64(experts_tp8, tokens):
     _, _, c1, c2, s1, s2 = experts_tp8
     x, ids, w = routing(tokens, EXPERTS, seed=100 + tokens)
@@ -81,13 +81,13 @@ def test_int8_m1_tp8_vs_dequantized_float64(experts_tp8, tokens):
     assert err <= BF16_TOL
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_split_configs_and_repeat_bit_identical(experts_tp8, swap_ab):
+@pytest.mark.parametrize("swap_ab,joined", [(False, False), (True, False), (True, True)])
+def test_split_configs_and_repeat_bit_identical(experts_tp8, swap_ab, joined):
     # Split K in both GEMMs, and the three-launch sort (many align blocks); runs repeat bit for bit.
     w1, w2, *_ = experts_tp8
     x, ids, w = routing(300, EXPERTS, seed=5)
-    cfg = MoEConfig(GemmConfig(32, 64, 128, 4, 8, 4, 3, swap_ab), GemmConfig(32, 128, 64, 3, 8, 4, 3, swap_ab),
-                    align_block=64)
+    cfg = MoEConfig(GemmConfig(32, 64, 128, 4, 8, 4, 3, swap_ab, joined),
+                    GemmConfig(32, 128, 64, 3, 8, 4, 3, swap_ab), align_block=64)
     outs = [fused_moe(x, w1, w2, ids, w, config=cfg) for _ in range(3)]
     assert rel_err(outs[0], reference_fp64(x, w1, w2, ids, w)) <= BF16_TOL
     assert all(torch.equal(o, outs[0]) for o in outs[1:])

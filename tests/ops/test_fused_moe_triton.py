@@ -115,6 +115,14 @@ CASES = {
     "int8_t17_e4_top2_swap_perm_8warps": make_case(24, 17, 320, 160, 4, 2, int8=True,
                                                    config=_config((32, 128, 64, 1, 8, 8, 3, True),
                                                                   (64, 256, 32, 1, 8, 8, 3, True))),
+    # Gate and up joined in one tile and one MMA: swapped and permuted (2 x 64 columns over 4 warps), partial N
+    # tiles (inter 96) in both halves; then unswapped in fp32 with split K.
+    "int8_bf16x_t257_e8_top2_joined": make_case(25, 257, 192, 96, 8, 2, dtype="bfloat16", int8=True,
+                                                config=_config((32, 64, 64, 1, 8, 4, 3, True, True),
+                                                               (64, 128, 32, 1, 8, 4, 3, True))),
+    "fp32_t17_e4_top2_joined_split": make_case(26, 17, 128, 48, 4, 2,
+                                               config=_config((16, 32, 32, 2, 8, 4, 3, False, True),
+                                                              (16, 64, 32, 1, 8, 4, 3))),
 }
 FRAMEWORK_CASES = {
     "torch": list(CASES),
@@ -205,12 +213,13 @@ def test_tolerances_can_fail():
     assert rel_err(reference(dict(bf16, up_gate_w=swapped)), bf16_ref) > 10 * BF16_TOL
 
 
-@pytest.mark.parametrize("swap_ab,block_n", [(False, 64), (True, 64), (True, 128)])
-def test_small_int8_tile_compiles_for_sm90(swap_ab, block_n):
+@pytest.mark.parametrize("swap_ab,block_n,joined", [(False, 64, False), (True, 64, False), (True, 128, False),
+                                                    (True, 128, True)])
+def test_int8_tile_compiles_for_sm90(swap_ab, block_n, joined):
     # A real ptxas compile for sm_90 (no GPU needed). A 16-row tile runs on mma.sync; swapped, on wgmma with the
     # widened codes as its register operand A and the 16 token rows as its N, the codes read from shared memory
     # 2 or 4 at a time straight into that operand's layout (no widened tile in shared memory, so no ldmatrix in the
-    # K loop).
+    # K loop). Joined (the large-batch default): one MMA over 128 gate and 128 up columns, 128 token rows, 8 warps.
     torch = pytest.importorskip("torch")
     import re
 
@@ -219,39 +228,42 @@ def test_small_int8_tile_compiles_for_sm90(swap_ab, block_n):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
-    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, _permutes, _swapped_warps_m
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, _permutes, _swapped_warps_m, _TorchOps, _weight_desc
 
     hidden, inter, experts = 6144, 1152, 32
-    g = GemmConfig(16, block_n, 64, 1, 8, 4, 4, swap_ab)
+    g = GemmConfig(128, block_n, 64, 1, 8, 8, 3, swap_ab, joined) if joined else \
+        GemmConfig(16, block_n, 64, 1, 8, 4, 4, swap_ab)
     w = torch.zeros(experts, hidden, 2 * inter, dtype=torch.int8)
     x, i32, f32 = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     fn = tk._up_gate_kernel
-    args = dict(x_ptr=x, w_desc=TensorDescriptor(w, list(w.shape), list(w.stride()), [1, g.block_k, g.block_n]),
-                scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32, out_ptr=x)
+    args = dict(x_ptr=x, w_desc=_weight_desc(_TorchOps(), w, g), scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32,
+                out_ptr=x)
     consts = dict(E_PAD=32, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=8, SPLIT_K=1, INT8=True,
                   DOT_T=tl.bfloat16, PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=swap_ab,
-                  PERM=_permutes(g, True), WARPS_M=_swapped_warps_m(g), ROUND_BF16=False)
+                  PERM=_permutes(g, True), WARPS_M=_swapped_warps_m(g), ROUND_BF16=False, JOINED=joined)
     signature = {n: mangle_type(args[n]) if n in args else "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    # A launch specializes pointers and sizes divisible by 16 (6144, 1152): so does this compile.
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*args, "H", "I") if n != "w_desc"}
+    # A launch specializes pointers and sizes divisible by 16 (6144, 1152, the K chunk 6144): so does this compile.
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*args, "H", "I", "k_chunk")
+             if n != "w_desc"}
     compiled = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": g.num_warps, "num_stages": g.num_stages})
     ptx = compiled.asm["ptx"]
     assert compiled.metadata.shared <= 232448
     assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, "codes read from shared memory byte by byte"
     if swap_ab:
         assert "mma.sync" not in ptx
         # {accumulators}, {4 registers of A}, B's shared-memory descriptor
-        wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16"
+        wgmma = rf"wgmma\.mma_async\.sync\.aligned\.m64n{g.block_m}k16\.f32\.bf16\.bf16"
         assert re.search(wgmma + r" \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd", ptx)
         # Up to the last MMA (the epilogue transposes the accumulator through shared memory, once per tile).
         assert "ldmatrix" not in ptx[:ptx.rindex("wgmma.mma_async")]
-        # Per K step: gate and up, block_k / 16 MMA steps, 4 K rows of codes per thread and step.
-        read = {64: "ld.shared.v2.b8", 128: "ld.shared.b32"}[block_n]
-        assert ptx.count(read) >= 2 * (g.block_k // 16) * 4, read
+        # Per K step: gate and up (one MMA joined), block_k / 16 MMA steps, 4 K rows of codes per thread and step;
+        # each read takes 2 * D neighbouring codes (D = MMA rows / 16 per warp over the operand rows).
+        read = "ld.shared.b32" if joined or block_n == 128 else "ld.shared.v2.b8"
+        assert ptx.count(read) >= (1 if joined else 2) * (g.block_k // 16) * 4, read
         # The accumulator back in column order: the activations are stored 16 bytes at a time, not column by column.
         assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     else:

@@ -26,7 +26,8 @@ _COMBINE_TOKENS = 4
 class GemmConfig:
     """One grouped GEMM's tiling: ``block_m`` rows of one expert by ``block_n`` output columns per program,
     ``block_k`` per step; ``split_k`` programs share the reduction of each tile (fp32 partials); ``swap_ab``:
-    each step computes ``(x W)^T = W^T x^T``, the weight tile as the MMA's first operand."""
+    each step computes ``(x W)^T = W^T x^T``, the weight tile as the MMA's first operand; ``joined`` (gate/up
+    only): ``block_n`` gate and ``block_n`` up columns in one weight tile and one MMA."""
 
     block_m: int = 64
     block_n: int = 64
@@ -36,6 +37,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     (docs/ops/fused_moe.md). Few rows: weight streaming bounds the time, so one short tile per expert, and the
     gate/up K loop split while a handful of experts cannot fill the GPU (and for int8 at 9-32 rows, where Nsight
     Compute showed the SMs idle 29% of an unsplit gate/up kernel's one-wave grid); many rows: large tiles. int8
-    swaps the operands (``wgmma`` with the widened codes in registers, the token rows as its N side) above 2 rows."""
+    swaps the operands (``wgmma`` with the widened codes in registers, the token rows as its N side) above 2 rows,
+    and above 256 rows joins gate and up in one MMA of 128 token rows (each code widened once per 128 rows, where
+    two 64-row MMAs took 1.5 times the instructions per multiply-add)."""
     G = GemmConfig
     rows = num_pairs / min(num_experts, num_pairs)
     if rows <= 2:
@@ -77,7 +81,7 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
             return MoEConfig(G(64, 128, 64, 1, 8, 4, 4, True), G(64, 256, 64, 1, 8, 4, 3, True))
         return MoEConfig(G(128, 128, 64, 1, 8, 8, 4), G(128, 256, 64, 1, 8, 8, 4))
     if int8:
-        return MoEConfig(G(64, 128, 64, 1, 8, 4, 4, True), G(128, 256, 64, 1, 8, 8, 3, True))
+        return MoEConfig(G(128, 128, 64, 1, 8, 8, 3, True, True), G(128, 256, 64, 1, 8, 8, 3, True))
     return MoEConfig(G(128, 128, 64, 1, 8, 8, 3), G(128, 256, 64, 1, 8, 8, 4))
 
 
@@ -118,6 +122,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     if num_pairs == 0:
         return out
     cfg = config or default_config(num_pairs, num_experts, hidden, inter, int8)
+    if cfg.down.joined:
+        raise ValueError("config.down.joined: only the gate/up GEMM has two halves to join")
     if cfg.align_block is not None and (cfg.align_block < 16 or cfg.align_block & (cfg.align_block - 1)):
         raise ValueError(f"config.align_block must be a power of two of at least 16, got {cfg.align_block}")
     interp = launcher.interpreter_enabled()
@@ -151,7 +157,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
                [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
                 num_pairs, top_k, tiles, chunk],
-               **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act)
+               **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act, JOINED=up.joined)
     if up.split_k > 1:
         ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
                    [dest, offsets, act, num_pairs, inter, num_experts],
@@ -185,11 +191,16 @@ def _gemm_meta(g, e_pad, int8, dot, depth):
                 num_stages=g.num_stages)
 
 
+def _mma_width(g):
+    # The weight tile's columns per MMA: a joined tile holds block_n gate and block_n up columns.
+    return 2 * g.block_n if g.joined else g.block_n
+
+
 def _swapped_warps_m(g):
     """The warps over a swapped MMA's rows (the weight tile's columns) in Triton's Hopper MMA layout: 4, doubled
     while each would hold more than 16 rows and warps remain."""
     warps = 4
-    while warps < g.num_warps and g.block_n > 16 * warps:
+    while warps < g.num_warps and _mma_width(g) > 16 * warps:
         warps *= 2
     return warps
 
@@ -197,12 +208,17 @@ def _swapped_warps_m(g):
 def _permutes(g, int8):
     # Swapped int8 tiles are read in the column order that puts neighbouring codes in one thread (triton_kernels.
     # _permuted), where the tile splits evenly over the MMA's warps.
-    return int8 and g.swap_ab and g.num_warps >= 4 and g.block_n % (16 * _swapped_warps_m(g)) == 0
+    return int8 and g.swap_ab and g.num_warps >= 4 and _mma_width(g) % (16 * _swapped_warps_m(g)) == 0
 
 
 def _weight_desc(ops, w, g):
-    """TMA descriptor over the stored ``[E, in, out]`` weights, one ``[1, block_k, block_n]`` box per load."""
+    """TMA descriptor over the stored ``[E, in, out]`` weights, one ``[1, block_k, block_n]`` box per load; joined,
+    over the gate/up weights as ``[E, in, 2, out / 2]``, one ``[1, block_k, 2, block_n]`` box (both halves)."""
     num_experts, depth, width = (int(s) for s in w.shape)
+    if g.joined:
+        half = width // 2
+        return TensorDescriptor(ops.desc_base(w), [num_experts, depth, 2, half], [depth * width, width, half, 1],
+                                [1, g.block_k, 2, g.block_n])
     return TensorDescriptor(ops.desc_base(w), [num_experts, depth, width], [depth * width, width, 1],
                             [1, g.block_k, g.block_n])
 

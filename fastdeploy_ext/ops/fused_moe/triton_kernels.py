@@ -183,8 +183,13 @@ def _unpermuted(acc, BM: tl.constexpr, BN: tl.constexpr, WARPS_M: tl.constexpr):
 
 @triton.jit
 def _weight_tile(w_desc, e, k0, n0, BK: tl.constexpr, BN: tl.constexpr, DOT_T: tl.constexpr,
-                 WIDEN_ASM: tl.constexpr, PERM: tl.constexpr, WARPS_M: tl.constexpr):
-    q = w_desc.load([e, k0, n0]).reshape(BK, BN)
+                 WIDEN_ASM: tl.constexpr, PERM: tl.constexpr, WARPS_M: tl.constexpr, JOINED: tl.constexpr = False):
+    # JOINED: the descriptor views the gate/up weights as [E, H, 2, I]; one box holds BN // 2 gate columns and
+    # the same up columns, as a [BK, BN] tile (gate half first).
+    if JOINED:
+        q = w_desc.load([e, k0, 0, n0]).reshape(BK, BN)
+    else:
+        q = w_desc.load([e, k0, n0]).reshape(BK, BN)
     if PERM:
         q = _permuted(q, BK, BN, WARPS_M)
     return _codes_bf16(q, DOT_T, WIDEN_ASM, PERM)
@@ -250,6 +255,7 @@ def _up_gate_kernel(
     PERM: tl.constexpr,
     WARPS_M: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    JOINED: tl.constexpr,
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_tiles_m, tl.cdiv(I, BN), GROUP_M)
     split = tl.program_id(1)
@@ -266,24 +272,42 @@ def _up_gate_kernel(
     k_hi = tl.minimum(k_lo + k_chunk, H)
     # Token rows in 64 bits (T * H can pass 2**31); the weights come by TMA, whose copy engine addresses in 64 bits.
     x_ptrs = x_ptr + tok[:, None] * H + (k_lo + kk)[None, :]
-    acc_g = _acc(BM, BN, SWAP_AB)
-    acc_u = _acc(BM, BN, SWAP_AB)
-    for k0 in range(k_lo, k_hi, BK):
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
-        # Rows past H come back zero; rows of the next K split meet zero columns of a.
-        bg = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
-        bu = _weight_tile(w_desc, e, k0, I + pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
-        a = a.to(DOT_T)
-        acc_g = _mma(a, bg, acc_g, PRECISION, SWAP_AB)
-        acc_u = _mma(a, bu, acc_u, PRECISION, SWAP_AB)
-        x_ptrs += BK
-    if SWAP_AB:
-        acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
-    if PERM:
-        acc_g, acc_u = _unpermuted(acc_g, BM, BN, WARPS_M), _unpermuted(acc_u, BM, BN, WARPS_M)
+    if JOINED:
+        # One MMA over gate and up side by side: twice the rows per MMA, so a swapped tile's threads hold twice
+        # the neighbouring codes (read 4 bytes at a time where two MMAs would take 2).
+        acc = _acc(BM, 2 * BN, SWAP_AB)
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+            b = _weight_tile(w_desc, e, k0, pid_n * BN, BK, 2 * BN, DOT_T, WIDEN_ASM, PERM, WARPS_M, True)
+            acc = _mma(a.to(DOT_T), b, acc, PRECISION, SWAP_AB)
+            x_ptrs += BK
+        if SWAP_AB:
+            acc = tl.trans(acc)
+        if PERM:
+            acc = _unpermuted(acc, BM, 2 * BN, WARPS_M)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN]), [0, 2, 1]))
+    else:
+        acc_g = _acc(BM, BN, SWAP_AB)
+        acc_u = _acc(BM, BN, SWAP_AB)
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+            # Rows past H come back zero; rows of the next K split meet zero columns of a.
+            bg = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
+            bu = _weight_tile(w_desc, e, k0, I + pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
+            a = a.to(DOT_T)
+            acc_g = _mma(a, bg, acc_g, PRECISION, SWAP_AB)
+            acc_u = _mma(a, bu, acc_u, PRECISION, SWAP_AB)
+            x_ptrs += BK
+        if SWAP_AB:
+            acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
+        if PERM:
+            acc_g, acc_u = _unpermuted(acc_g, BM, BN, WARPS_M), _unpermuted(acc_u, BM, BN, WARPS_M)
     if INT8:
         scales = scale_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g *= tl.load(scales, mask=col_ok, other=0.0)[None, :]

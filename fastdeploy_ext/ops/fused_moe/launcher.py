@@ -59,7 +59,8 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
     Compute showed the SMs idle 29% of an unsplit gate/up kernel's one-wave grid); many rows: large tiles. int8
     swaps the operands (``wgmma`` with the widened codes in registers, the token rows as its N side) above 2 rows,
     and above 256 rows joins gate and up in one MMA of 128 token rows (each code widened once per 128 rows, where
-    two 64-row MMAs took 1.5 times the instructions per multiply-add)."""
+    two 64-row MMAs took 1.5 times the instructions per multiply-add) and runs the down GEMM on 4-warp tiles, two
+    CTAs per SM."""
     G = GemmConfig
     rows = num_pairs / min(num_experts, num_pairs)
     if rows <= 2:
@@ -81,7 +82,7 @@ def default_config(num_pairs, num_experts, hidden, inter, int8=False):
             return MoEConfig(G(64, 128, 64, 1, 8, 4, 4, True), G(64, 256, 64, 1, 8, 4, 3, True))
         return MoEConfig(G(128, 128, 64, 1, 8, 8, 4), G(128, 256, 64, 1, 8, 8, 4))
     if int8:
-        return MoEConfig(G(128, 128, 64, 1, 8, 8, 3, True, True), G(128, 256, 64, 1, 8, 8, 3, True))
+        return MoEConfig(G(128, 128, 64, 1, 8, 8, 3, True, True), G(128, 128, 64, 1, 8, 4, 3, True))
     return MoEConfig(G(128, 128, 64, 1, 8, 8, 3), G(128, 256, 64, 1, 8, 8, 4))
 
 
@@ -169,7 +170,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
     y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
-               [act, _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
+               [_rows_desc(ops, act, down), _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
                 num_experts, num_pairs, tiles, _k_chunk(inter, down)],
                **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
@@ -221,6 +222,12 @@ def _weight_desc(ops, w, g):
                                 [1, g.block_k, 2, g.block_n])
     return TensorDescriptor(ops.desc_base(w), [num_experts, depth, width], [depth * width, width, 1],
                             [1, g.block_k, g.block_n])
+
+
+def _rows_desc(ops, a, g):
+    """TMA descriptor over the sorted activations ``[P, inter]``, one ``[block_m, block_k]`` box per load."""
+    rows, width = (int(s) for s in a.shape)
+    return TensorDescriptor(ops.desc_base(a), [rows, width], [width, 1], [g.block_m, g.block_k])
 
 
 def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, down_scale):

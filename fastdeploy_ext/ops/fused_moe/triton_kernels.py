@@ -353,7 +353,7 @@ def _silu_reduce_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr,  # act [P, I] in sorted order
+    a_desc,  # TMA descriptor over act [P, I] (sorted order), block [BM, BK]
     w_desc,  # TMA descriptor over [E, I, H], block [1, BK, BN]
     scale_ptr,  # [E, 1, H] float32 (INT8 only)
     sorted_ptr,
@@ -391,19 +391,16 @@ def _down_kernel(
     row_ok = rows < row_end
     cols = pid_n * BN + tl.arange(0, BN)
     col_ok = cols < H
-    kk = tl.arange(0, BK)
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, I)
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * I + (k_lo + kk)[None, :]
     acc = _acc(BM, BN, SWAP_AB)
     for k0 in range(k_lo, k_hi, BK):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+        # The sorted rows are contiguous, so they come by TMA too. Rows past this expert's hold another expert's
+        # activations (or were never written): a row of the product depends on its own row only, and the store
+        # leaves those rows out. K splits are whole BK steps, and columns past I come back zero.
+        a = a_desc.load([row0, k0])
         b = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
         acc = _mma(a.to(DOT_T), b, acc, PRECISION, SWAP_AB)
-        a_ptrs += BK
     if SWAP_AB:
         acc = tl.trans(acc)
     if PERM:

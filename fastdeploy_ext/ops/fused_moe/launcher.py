@@ -158,7 +158,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
                [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
                 num_pairs, top_k, tiles, chunk],
-               **_gemm_meta(up, e_pad, int8, dot, hidden), ROUND_BF16=round_act, JOINED=up.joined)
+               **_gemm_meta(up, e_pad, int8, dot), ROUND_BF16=round_act, JOINED=up.joined,
+               EVEN_K=hidden % (up.block_k * up.split_k) == 0)
     if up.split_k > 1:
         ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
                    [dest, offsets, act, num_pairs, inter, num_experts],
@@ -172,7 +173,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
                [_rows_desc(ops, act, down), _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
                 num_experts, num_pairs, tiles, _k_chunk(inter, down)],
-               **_gemm_meta(down, e_pad, int8, dot, inter), ROUND_BF16=interp and y_dtype == "bfloat16")
+               **_gemm_meta(down, e_pad, int8, dot), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
                SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block,
@@ -184,9 +185,9 @@ def _k_chunk(depth, g):
     return _cdiv(_cdiv(depth, g.split_k), g.block_k) * g.block_k
 
 
-def _gemm_meta(g, e_pad, int8, dot, depth):
+def _gemm_meta(g, e_pad, int8, dot):
     return dict(E_PAD=e_pad, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
-                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1], EVEN_K=depth % (g.block_k * g.split_k) == 0,
+                INT8=int8, DOT_T=getattr(tl, dot[0]), PRECISION=dot[1],
                 WIDEN_ASM=int8 and dot[0] == "bfloat16", SWAP_AB=g.swap_ab, PERM=_permutes(g, int8),
                 WARPS_M=_swapped_warps_m(g), num_warps=g.num_warps,
                 num_stages=g.num_stages)

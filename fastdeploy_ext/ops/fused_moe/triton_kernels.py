@@ -375,7 +375,6 @@ def _down_kernel(
     INT8: tl.constexpr,
     DOT_T: tl.constexpr,
     PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr,
     WIDEN_ASM: tl.constexpr,
     SWAP_AB: tl.constexpr,
     PERM: tl.constexpr,

@@ -171,8 +171,8 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     y_dtype = _dtype_name(out) if down.split_k == 1 else "float32"
     y = ops.empty([down.split_k, num_pairs, hidden], y_dtype, x)
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
-               [_rows_desc(ops, act, down), _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets, topk_weights, y, hidden, inter,
-                num_experts, num_pairs, tiles, _k_chunk(inter, down)],
+               [_rows_desc(ops, act, down), _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets,
+                topk_weights, y, hidden, inter, num_experts, num_pairs, tiles, _k_chunk(inter, down)],
                **_gemm_meta(down, e_pad, int8, dot), ROUND_BF16=interp and y_dtype == "bfloat16")
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],

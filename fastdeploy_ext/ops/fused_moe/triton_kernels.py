@@ -18,8 +18,9 @@ them for torch or Paddle tensors. The pipeline, all on the device (no host sync,
 A GEMM program finds its expert and rows from ``offsets`` alone (``_tile_rows``); programs beyond the last tile,
 and experts without pairs, load nothing. The weight tiles arrive by TMA through descriptors over the ``[E, in,
 out]`` tensors as stored (``[1, BK, BN]`` boxes, zero past the edges), and the sorted activations (contiguous rows)
-through one over ``[P, I]``; the gathered rows of ``x`` by ``cp.async``. int8 codes enter the dot as bf16 (exact) or fp32 and the per-column scale multiplies
-the fp32 accumulator: ``sum_c x_c q_co s_o = s_o sum_c x_c q_co``.
+through one over ``[P, I]``; the gathered rows of ``x`` by ``cp.async``. int8 codes enter the dot as bf16
+(exact) or fp32 and the per-column scale multiplies the fp32 accumulator: ``sum_c x_c q_co s_o = s_o sum_c x_c
+q_co``.
 """
 
 import triton

@@ -227,6 +227,14 @@ def _swizzle(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptrs, row_ok, k, k_hi, EVEN_K: tl.constexpr):
+    # The gathered rows of x at K columns k; rows past the tile's expert and columns past the K range are zero.
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(x_ptrs, mask=row_ok[:, None] & (k < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
 def _up_gate_kernel(
     x_ptr,  # [T, H]
     w_desc,  # TMA descriptor over [E, H, 2I] (gate columns [0, I), up columns [I, 2I)), block [1, BK, BN]
@@ -278,10 +286,7 @@ def _up_gate_kernel(
         # the neighbouring codes (read 4 bytes at a time where two MMAs would take 2).
         acc = _acc(BM, 2 * BN, SWAP_AB)
         for k0 in range(k_lo, k_hi, BK):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+            a = _x_tile(x_ptrs, row_ok, k0 + kk, k_hi, EVEN_K)
             b = _weight_tile(w_desc, e, k0, pid_n * BN, BK, 2 * BN, DOT_T, WIDEN_ASM, PERM, WARPS_M, True)
             acc = _mma(a.to(DOT_T), b, acc, PRECISION, SWAP_AB)
             x_ptrs += BK
@@ -294,10 +299,7 @@ def _up_gate_kernel(
         acc_g = _acc(BM, BN, SWAP_AB)
         acc_u = _acc(BM, BN, SWAP_AB)
         for k0 in range(k_lo, k_hi, BK):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=row_ok[:, None] & ((k0 + kk) < k_hi)[None, :], other=0.0)
+            a = _x_tile(x_ptrs, row_ok, k0 + kk, k_hi, EVEN_K)
             # Rows past H come back zero; rows of the next K split meet zero columns of a.
             bg = _weight_tile(w_desc, e, k0, pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)
             bu = _weight_tile(w_desc, e, k0, I + pid_n * BN, BK, BN, DOT_T, WIDEN_ASM, PERM, WARPS_M)

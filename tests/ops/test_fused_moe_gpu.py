@@ -4,6 +4,7 @@ Skipped without CUDA. The oracle is the definition (``reference.py``) in float64
 experts hit only; ``test_fp64_oracle_matches_numpy`` ties it to the NumPy definition of the CPU tests.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,7 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from fastdeploy_ext.ops.fused_moe import GemmConfig, MoEConfig, fused_moe, fused_moe_reference  # noqa: E402
+from fastdeploy_ext.ops.fused_moe import (  # noqa: E402
+    GemmConfig, MoEConfig, default_config, fused_moe, fused_moe_reference)
 
 # bf16 operands and a bf16 intermediate and output: measured ~3e-3 (METHOD.md: bf16 between 1e-3 and 1e-2).
 BF16_TOL = 1e-2
@@ -91,6 +93,34 @@ def test_split_configs_and_repeat_bit_identical(experts_tp8, swap_ab, joined):
     outs = [fused_moe(x, w1, w2, ids, w, config=cfg) for _ in range(3)]
     assert rel_err(outs[0], reference_fp64(x, w1, w2, ids, w)) <= BF16_TOL
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("tokens", [256, 2048])
+def test_pdl_matches_serial_launches_bit_for_bit(experts_tp8, tokens, int8):
+    # Programmatic dependent launch changes when kernels start, not what they compute: eagerly, and in a CUDA graph of back-to-back calls (each call's first kernels overlapping the last
+    # call's, on buffers the caching allocator hands round). 256 tokens: the split gate/up tiles' fused reduce.
+    w1, w2, c1, c2, s1, s2 = experts_tp8
+    a, b, wts = (c1, c2, dict(up_gate_scale=s1, down_scale=s2)) if int8 else (w1, w2, {})
+    base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER_TP8, int8)
+    inputs = [routing(tokens, EXPERTS, seed=40 + i) for i in range(4)]
+    serial = [fused_moe(x, a, b, ids, w, config=dataclasses.replace(base, pdl=False), **wts)
+              for x, ids, w in inputs]
+    x0, ids0, w0 = inputs[0]
+    assert rel_err(serial[0], reference_fp64(x0, a, b, ids0, w0, *wts.values())) <= BF16_TOL
+    cfg = dataclasses.replace(base, pdl=True)
+    assert all(torch.equal(fused_moe(x, a, b, ids, w, config=cfg, **wts), want)
+               for (x, ids, w), want in zip(inputs, serial))
+    outs = [torch.full_like(o, float("nan")) for o in serial]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for (x, ids, w), o in zip(inputs, outs):
+            fused_moe(x, a, b, ids, w, out=o, config=cfg, **wts)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, want) for o, want in zip(outs, serial))
 
 
 def test_dead_experts_with_nan_weights(experts_tp8):

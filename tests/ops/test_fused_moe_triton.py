@@ -213,16 +213,10 @@ def test_tolerances_can_fail():
     assert rel_err(reference(dict(bf16, up_gate_w=swapped)), bf16_ref) > 10 * BF16_TOL
 
 
-@pytest.mark.parametrize("swap_ab,block_n,joined", [(False, 64, False), (True, 64, False), (True, 128, False),
-                                                    (True, 128, True)])
-def test_int8_tile_compiles_for_sm90(swap_ab, block_n, joined):
-    # A real ptxas compile for sm_90 (no GPU needed). A 16-row tile runs on mma.sync; swapped, on wgmma with the
-    # widened codes as its register operand A and the 16 token rows as its N, the codes read from shared memory
-    # 2 or 4 at a time straight into that operand's layout (no widened tile in shared memory, so no ldmatrix in the
-    # K loop). Joined (the large-batch default): one MMA over 128 gate and 128 up columns, 128 token rows, 8 warps.
+def _compile_up_gate_sm90(g, pdl=False):
+    """A real ptxas compile of the int8 gate/up kernel at M1's tp=8 shapes for sm_90 (no GPU needed): (compiled
+    kernel, PTX)."""
     torch = pytest.importorskip("torch")
-    import re
-
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -230,27 +224,41 @@ def test_int8_tile_compiles_for_sm90(swap_ab, block_n, joined):
     from triton.runtime.jit import mangle_type
 
     from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
-    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, _permutes, _swapped_warps_m, _TorchOps, _weight_desc
+    from fastdeploy_ext.ops.fused_moe.launcher import _permutes, _swapped_warps_m, _TorchOps, _weight_desc
 
     hidden, inter, experts = 6144, 1152, 32
-    g = GemmConfig(128, block_n, 64, 1, 8, 8, 3, swap_ab, joined) if joined else \
-        GemmConfig(16, block_n, 64, 1, 8, 4, 4, swap_ab)
     w = torch.zeros(experts, hidden, 2 * inter, dtype=torch.int8)
     x, i32, f32 = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     fn = tk._up_gate_kernel
     args = dict(x_ptr=x, w_desc=_weight_desc(_TorchOps(), w, g), scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32,
-                out_ptr=x)
-    consts = dict(E_PAD=32, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=8, SPLIT_K=1, INT8=True,
-                  DOT_T=tl.bfloat16, PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=swap_ab,
-                  PERM=_permutes(g, True), WARPS_M=_swapped_warps_m(g), ROUND_BF16=False, JOINED=joined)
+                act_ptr=x, part_ptr=f32, sem_ptr=i32)
+    consts = dict(E_PAD=32, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
+                  INT8=True, DOT_T=tl.bfloat16, PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=g.swap_ab,
+                  PERM=_permutes(g, True), WARPS_M=_swapped_warps_m(g), ROUND_BF16=False, JOINED=g.joined, PDL=pdl)
     signature = {n: mangle_type(args[n]) if n in args else "constexpr" if n in consts else "i32" for n in fn.arg_names}
-    # A launch specializes pointers and sizes divisible by 16 (6144, 1152, the K chunk 6144): so does this compile.
+    # A launch specializes pointers and sizes divisible by 16 (6144, 1152, the K chunk): so does this compile.
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in (*args, "H", "I", "k_chunk")
              if n != "w_desc"}
     compiled = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": g.num_warps, "num_stages": g.num_stages})
-    ptx = compiled.asm["ptx"]
+    return compiled, compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("swap_ab,block_n,joined", [(False, 64, False), (True, 64, False), (True, 128, False),
+                                                    (True, 128, True)])
+def test_int8_tile_compiles_for_sm90(swap_ab, block_n, joined):
+    # A 16-row tile runs on mma.sync; swapped, on wgmma with the widened codes as its register operand A and the 16
+    # token rows as its N, the codes read from shared memory 2 or 4 at a time straight into that operand's layout
+    # (no widened tile in shared memory, so no ldmatrix in the K loop). Joined (the large-batch default): one MMA
+    # over 128 gate and 128 up columns, 128 token rows, 8 warps.
+    import re
+
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig
+
+    g = GemmConfig(128, block_n, 64, 1, 8, 8, 3, swap_ab, joined) if joined else \
+        GemmConfig(16, block_n, 64, 1, 8, 4, 4, swap_ab)
+    compiled, ptx = _compile_up_gate_sm90(g)
     assert compiled.metadata.shared <= 232448
     assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx, "codes read from shared memory byte by byte"
     if swap_ab:
@@ -268,3 +276,29 @@ def test_int8_tile_compiles_for_sm90(swap_ab, block_n, joined):
         assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
     else:
         assert "wgmma" not in ptx and "mma.sync.aligned.m16n8k16" in ptx
+    assert "griddepcontrol" not in ptx
+
+
+def test_split_tile_with_pdl_compiles_for_sm90():
+    # The 256-token int8 default: K split in two, the last split to finish adding the partials up. Its stores,
+    # then a CTA barrier, then one thread's acquire-release atomic on the tile's count (gpu scope), whose result
+    # every thread reads after a second barrier; the partials then come from L2 (.cg), never a stale L1 line.
+    # With PDL, griddepcontrol.wait comes before any global memory access and before launch_dependents.
+    import re
+
+    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, default_config
+
+    g = default_config(512, 32, 6144, 1152, int8=True).up
+    assert g.split_k == 2
+    _, ptx = _compile_up_gate_sm90(g, pdl=True)
+    body = ptx[ptx.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    assert wait < body.index("griddepcontrol.launch_dependents")
+    first_global = min(m.start() for m in re.finditer(r"(ld|st|atom|cp\.async)[.\w]*\.global|cp\.async\.bulk", body))
+    assert wait < first_global
+    atom = re.search(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", body)
+    assert atom and len(re.findall(r"atom\.global", body)) == 1
+    before, after = body[:atom.start()], body[atom.end():]
+    assert before.rindex("bar.sync") > before.rindex("st.global")
+    assert after.index("bar.sync") < after.index("ld.global")
+    assert after.count("ld.global.cg") >= 2 * g.split_k

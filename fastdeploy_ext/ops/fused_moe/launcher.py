@@ -44,12 +44,14 @@ class GemmConfig:
 class MoEConfig:
     """``up``: the gate/up GEMM (``block_n`` columns of each of gate and up); ``down``: the down GEMM;
     ``align_block``: pairs per align program, a power of two (default: :func:`align_block`); a batch of more than
-    one block sorts in three launches."""
+    one block sorts in three launches. ``pdl``: programmatic dependent launch on Hopper and later, each kernel
+    starting while the one before it finishes."""
 
     up: GemmConfig = field(default_factory=GemmConfig)
     down: GemmConfig = field(default_factory=GemmConfig)
     align_block: int | None = None
     combine_block: int = 512
+    pdl: bool = True
 
 
 def default_config(num_pairs, num_experts, hidden, inter, int8=False):
@@ -128,6 +130,9 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     if cfg.align_block is not None and (cfg.align_block < 16 or cfg.align_block & (cfg.align_block - 1)):
         raise ValueError(f"config.align_block must be a power of two of at least 16, got {cfg.align_block}")
     interp = launcher.interpreter_enabled()
+    # griddepcontrol is sm_90 PTX; the interpreter has no grids to overlap.
+    pdl = cfg.pdl and not interp and (ops.capability(x) or (0, 0)) >= (9, 0)
+    pdl_meta = dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
     # bf16 operands on tensor cores; fp32 IEEE otherwise, and always under the interpreter (NumPy has no bf16).
     dot = ("bfloat16", "tf32") if _dtype_name(x) == "bfloat16" and not interp else ("float32", "ieee")
     round_act = interp and _dtype_name(x) == "bfloat16"
@@ -135,35 +140,36 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     scale1 = up_gate_scale if int8 else up_gate_w
     scale2 = down_scale if int8 else down_w
 
+    up = cfg.up
+    tiles = max_tiles(num_pairs, num_experts, up.block_m)
+    up_grid = (tiles * _cdiv(inter, up.block_n), up.split_k)
     sorted_pairs = ops.empty([num_pairs], "int32", x)
     offsets = ops.empty([num_experts + 1], "int32", x)
+    # A split gate/up tile's count of finished splits, zeroed by the sort.
+    num_sem = up_grid[0] if up.split_k > 1 else 0
+    sem = ops.empty([max(1, num_sem)], "int32", x)
     block = cfg.align_block or align_block(num_pairs)
     num_blocks = _cdiv(num_pairs, block)
     # One block's few pairs take a block of their own size, not align_block lanes.
-    align_meta = dict(E_PAD=e_pad, BLOCK=min(block, max(16, _next_pow2(num_pairs))), num_warps=4)
+    align_meta = dict(E_PAD=e_pad, BLOCK=min(block, max(16, _next_pow2(num_pairs))), num_warps=4, **pdl_meta)
     if num_blocks == 1:
-        ops.launch(tk._align_kernel, (1,), [topk_ids, sorted_pairs, offsets, num_pairs, num_experts], **align_meta)
+        ops.launch(tk._align_kernel, (1,), [topk_ids, sorted_pairs, offsets, sem, num_sem, num_pairs, num_experts],
+                   **align_meta)
     else:
         hist = ops.empty([num_blocks, e_pad], "int32", x)
         ops.launch(tk._align_count_kernel, (num_blocks,), [topk_ids, hist, num_pairs, num_experts], **align_meta)
-        ops.launch(tk._align_scan_kernel, (1,), [hist, offsets, num_blocks, num_experts], E_PAD=e_pad, num_warps=1)
+        ops.launch(tk._align_scan_kernel, (1,), [hist, offsets, sem, num_sem, num_blocks, num_experts], E_PAD=e_pad,
+                   num_warps=1, **pdl_meta)
         ops.launch(tk._align_scatter_kernel, (num_blocks,), [topk_ids, sorted_pairs, hist, num_pairs, num_experts],
                    **align_meta)
 
     act = ops.empty([num_pairs, inter], _dtype_name(x), x)
-    up = cfg.up
-    tiles = max_tiles(num_pairs, num_experts, up.block_m)
-    chunk = _k_chunk(hidden, up)
-    dest = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
-    ops.launch(tk._up_gate_kernel, (tiles * _cdiv(inter, up.block_n), up.split_k),
-               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, dest, hidden, inter, num_experts,
-                num_pairs, top_k, tiles, chunk],
+    part = act if up.split_k == 1 else ops.empty([up.split_k, num_pairs, 2 * inter], "float32", x)
+    ops.launch(tk._up_gate_kernel, up_grid,
+               [x, _weight_desc(ops, up_gate_w, up), scale1, sorted_pairs, offsets, act, part, sem, hidden, inter,
+                num_experts, num_pairs, top_k, tiles, _k_chunk(hidden, up)],
                **_gemm_meta(up, e_pad, int8, dot), ROUND_BF16=round_act, JOINED=up.joined,
-               EVEN_K=hidden % (up.block_k * up.split_k) == 0)
-    if up.split_k > 1:
-        ops.launch(tk._silu_reduce_kernel, (_cdiv(num_pairs, 16), _cdiv(inter, 256)),
-                   [dest, offsets, act, num_pairs, inter, num_experts],
-                   SPLIT_K=up.split_k, BR=16, BC=256, ROUND_BF16=round_act, num_warps=4)
+               EVEN_K=hidden % (up.block_k * up.split_k) == 0, **pdl_meta)
 
     down = cfg.down
     tiles = max_tiles(num_pairs, num_experts, down.block_m)
@@ -173,11 +179,11 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     ops.launch(tk._down_kernel, (tiles * _cdiv(hidden, down.block_n), down.split_k),
                [_rows_desc(ops, act, down), _weight_desc(ops, down_w, down), scale2, sorted_pairs, offsets,
                 topk_weights, y, hidden, inter, num_experts, num_pairs, tiles, _k_chunk(inter, down)],
-               **_gemm_meta(down, e_pad, int8, dot), ROUND_BF16=interp and y_dtype == "bfloat16")
+               **_gemm_meta(down, e_pad, int8, dot), ROUND_BF16=interp and y_dtype == "bfloat16", **pdl_meta)
     ops.launch(tk._combine_kernel, (_cdiv(num_tokens, _COMBINE_TOKENS), _cdiv(hidden, cfg.combine_block)),
                [y, topk_ids, out, num_tokens, hidden, num_experts, num_pairs, top_k],
                SPLIT_K=down.split_k, BT=_COMBINE_TOKENS, BH=cfg.combine_block,
-               ROUND_BF16=interp and _dtype_name(out) == "bfloat16", num_warps=4)
+               ROUND_BF16=interp and _dtype_name(out) == "bfloat16", num_warps=4, **pdl_meta)
     return out
 
 
@@ -358,6 +364,11 @@ class _TorchOps:
 
     def is_cpu(self, t):
         return t.device.type == "cpu"
+
+    def capability(self, t):
+        if not self.is_cuda(t) or launcher.interpreter_enabled():
+            return None
+        return tuple(self.torch.cuda.get_device_capability(t.device))
 
     def device_key(self, t):
         return t.device

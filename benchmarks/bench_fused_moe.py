@@ -7,7 +7,8 @@ CUDA-graph replays (each replay runs ``--rotate`` routings in turn, so that cons
 experts and the L2 cannot hold the weights one call reads), in microseconds per call, of
 
 - ``fused bf16`` / ``fused int8``: ``fastdeploy_ext.ops.fused_moe.fused_moe`` on bf16 experts and on wint8 codes
-  (the bf16 experts are exactly those codes times their scales); ``eager``: the same without a graph;
+  (the bf16 experts are exactly those codes times their scales); ``eager``: the same without a graph; ``no
+  PDL``: the same graph with ``MoEConfig.pdl`` off (each kernel waits for the one before to finish);
 - ``gmm``: ``torch._grouped_mm`` (pairs already sorted by expert) + ``silu(gate) * up`` + ``torch._grouped_mm``;
 - ``gmm full``: the same plus the device-side sort, the row gather and the weighted sum over each token's experts;
 - ``loop``: one ``x_e @ W1[e]``, silu * up, ``@ W2[e]``, ``index_add_`` per expert hit;
@@ -18,6 +19,7 @@ Every timed output is checked against ``gmm`` (a broken configuration fails loud
 """
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -233,21 +235,24 @@ def main():
             cfg = None
             if args.sweep is not None and (not args.sweep or name in args.sweep):
                 cfg = sweep(lambda c: graph_us(fused(c, int8), rotate), lambda c: check(c, int8), tokens, int8, log)
-            row[f"{name}_config"] = repr(cfg or default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8))
+            cfg = cfg or default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER, int8)
+            row[f"{name}_config"] = repr(cfg)
             row[f"{name}_err"] = check(cfg, int8)
             assert row[f"{name}_err"] <= CHECK_TOL, (tokens, name, row[f"{name}_err"])
             row[f"{name}_us"] = graph_us(fused(cfg, int8), rotate)
+            row[f"{name}_no_pdl_us"] = graph_us(fused(dataclasses.replace(cfg, pdl=False), int8), rotate)
             row[f"{name}_eager_us"] = eager_us(fused(cfg, int8), rotate)
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.json:  # after every token count, so that a run stopped at its time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"bandwidth": bandwidth, "rate": rate, "rows": rows, "sweep": log}, f, indent=1)
-    print("\ntokens hit | fused bf16 (eager) | fused int8 (eager) | gmm | gmm full | loop | floor bytes bf16/int8, "
+    print("\ntokens hit | fused bf16 (eager, no PDL) | fused int8 (eager, no PDL) | gmm | gmm full | loop | floor bytes bf16/int8, "
           "flops (us) | bf16/gmm int8/gmm | bf16/byte int8/byte")
     for r in rows:
-        print(f"{r['tokens']:6d} {r['experts_hit']:4.1f} | {r['bf16_us']:8.1f} ({r['bf16_eager_us']:7.1f}) | "
-              f"{r['int8_us']:8.1f} ({r['int8_eager_us']:7.1f}) | {r['gmm_us']:8.1f} | {r['gmm_full_us']:8.1f} | "
+        print(f"{r['tokens']:6d} {r['experts_hit']:4.1f} | {r['bf16_us']:8.1f} ({r['bf16_eager_us']:7.1f}, "
+              f"{r['bf16_no_pdl_us']:7.1f}) | {r['int8_us']:8.1f} ({r['int8_eager_us']:7.1f}, "
+              f"{r['int8_no_pdl_us']:7.1f}) | {r['gmm_us']:8.1f} | {r['gmm_full_us']:8.1f} | "
               f"{r['loop_us']:8.1f} | {r['floor_bytes_bf16_us']:6.1f}/{r['floor_bytes_int8_us']:6.1f}, "
               f"{r['floor_flops_us']:7.1f} | {r['bf16_us'] / r['gmm_us']:.2f} {r['int8_us'] / r['gmm_us']:.2f} | "
               f"{r['bf16_us'] / r['floor_bytes_bf16_us']:.2f} {r['int8_us'] / r['floor_bytes_int8_us']:.2f}")

@@ -45,6 +45,7 @@ def _let_next_start(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
 
+
 @triton.jit
 def _pair_experts(ids_ptr, p, P, E):
     e = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
@@ -365,8 +366,9 @@ def _up_gate_kernel(
         _store_act(dst, acc_g, acc_u, mask, ROUND_BF16)
     else:
         part = part_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-        tl.store(part + split.to(tl.int64) * P * 2 * I, acc_g, mask=mask)
-        tl.store(part + split.to(tl.int64) * P * 2 * I + I, acc_u, mask=mask)
+        per_split = P.to(tl.int64) * 2 * I
+        tl.store(part + split * per_split, acc_g, mask=mask)
+        tl.store(part + split * per_split + I, acc_u, mask=mask)
         # The tile's last program to finish adds the partials up, in split order whichever program that is (so
         # repeated runs agree bit for bit): the barrier orders every thread's stores before the atomic's release,
         # the atomic's acquire orders the other programs' stores before these loads (L2: .cg skips L1).
@@ -375,8 +377,8 @@ def _up_gate_kernel(
             g = tl.zeros([BM, BN], tl.float32)
             u = tl.zeros([BM, BN], tl.float32)
             for s in tl.static_range(SPLIT_K):
-                g += tl.load(part + s * P * 2 * I, mask=mask, other=0.0, cache_modifier=".cg")
-                u += tl.load(part + s * P * 2 * I + I, mask=mask, other=0.0, cache_modifier=".cg")
+                g += tl.load(part + s * per_split, mask=mask, other=0.0, cache_modifier=".cg")
+                u += tl.load(part + s * per_split + I, mask=mask, other=0.0, cache_modifier=".cg")
             _store_act(dst, g, u, mask, ROUND_BF16)
 
 

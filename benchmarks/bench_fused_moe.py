@@ -247,8 +247,8 @@ def main():
         if args.json:  # after every token count, so that a run stopped at its time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"bandwidth": bandwidth, "rate": rate, "rows": rows, "sweep": log}, f, indent=1)
-    print("\ntokens hit | fused bf16 (eager, no PDL) | fused int8 (eager, no PDL) | gmm | gmm full | loop | floor bytes bf16/int8, "
-          "flops (us) | bf16/gmm int8/gmm | bf16/byte int8/byte")
+    print("\ntokens hit | fused bf16 (eager, no PDL) | fused int8 (eager, no PDL) | gmm | gmm full | loop | "
+          "floor bytes bf16/int8, flops (us) | bf16/gmm int8/gmm | bf16/byte int8/byte")
     for r in rows:
         print(f"{r['tokens']:6d} {r['experts_hit']:4.1f} | {r['bf16_us']:8.1f} ({r['bf16_eager_us']:7.1f}, "
               f"{r['bf16_no_pdl_us']:7.1f}) | {r['int8_us']:8.1f} ({r['int8_eager_us']:7.1f}, "

@@ -98,8 +98,9 @@ def test_split_configs_and_repeat_bit_identical(experts_tp8, swap_ab, joined):
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("tokens", [256, 2048])
 def test_pdl_matches_serial_launches_bit_for_bit(experts_tp8, tokens, int8):
-    # Programmatic dependent launch changes when kernels start, not what they compute: eagerly, and in a CUDA graph of back-to-back calls (each call's first kernels overlapping the last
-    # call's, on buffers the caching allocator hands round). 256 tokens: the split gate/up tiles' fused reduce.
+    # Programmatic dependent launch changes when kernels start, not what they compute: eagerly, and in a CUDA graph
+    # of back-to-back calls (each call's first kernels overlapping the last call's, on buffers the caching
+    # allocator hands round). 256 tokens: the split gate/up tiles' in-kernel reduce.
     w1, w2, c1, c2, s1, s2 = experts_tp8
     a, b, wts = (c1, c2, dict(up_gate_scale=s1, down_scale=s2)) if int8 else (w1, w2, {})
     base = default_config(tokens * TOP_K, EXPERTS, HIDDEN, INTER_TP8, int8)

@@ -286,7 +286,7 @@ def test_split_tile_with_pdl_compiles_for_sm90():
     # With PDL, griddepcontrol.wait comes before any global memory access and before launch_dependents.
     import re
 
-    from fastdeploy_ext.ops.fused_moe.launcher import GemmConfig, default_config
+    from fastdeploy_ext.ops.fused_moe.launcher import default_config
 
     g = default_config(512, 32, 6144, 1152, int8=True).up
     assert g.split_k == 2

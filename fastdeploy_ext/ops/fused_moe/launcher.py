@@ -145,9 +145,9 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     up_grid = (tiles * _cdiv(inter, up.block_n), up.split_k)
     sorted_pairs = ops.empty([num_pairs], "int32", x)
     offsets = ops.empty([num_experts + 1], "int32", x)
-    # A split gate/up tile's count of finished splits, zeroed by the sort.
+    # A split gate/up tile's count of finished splits, zeroed by the sort (unsplit, nothing reads it).
     num_sem = up_grid[0] if up.split_k > 1 else 0
-    sem = ops.empty([max(1, num_sem)], "int32", x)
+    sem = ops.empty([num_sem], "int32", x) if num_sem else offsets
     block = cfg.align_block or align_block(num_pairs)
     num_blocks = _cdiv(num_pairs, block)
     # One block's few pairs take a block of their own size, not align_block lanes.

@@ -1,0 +1,294 @@
+"""``paged_decode`` and ``paged_prefill``: the Triton kernels on torch or Paddle tensors (README.md has the math and
+the layout).
+
+torch tensors launch directly; Paddle tensors through the lightning launcher's ``PaddleOps`` (the compat layer on a
+GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU; fastdeploy_conventions.md §9). Imports
+neither framework at import time. Nothing here reads a device tensor back: the host values that size a launch (the
+longest context, the longest chunk) come from the caller or from shapes.
+"""
+
+from dataclasses import dataclass
+
+from fastdeploy_ext.ops.lightning_attn import launcher
+from fastdeploy_ext.ops.paged_attention import triton_kernels as tk
+
+__all__ = ["DecodeConfig", "PrefillConfig", "decode_splits", "decode_workspace_bytes", "paged_decode",
+           "paged_prefill"]
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_INDEX_DTYPES = ("int32", "int64")
+_MAX_HEAD_DIM = 256
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """``block_n`` keys per step; the context is split into pieces of ``split_len`` tokens (a multiple of
+    ``block_n``; default: :func:`decode_splits`), each its own program, when one program per (sequence, KV head)
+    would leave the GPU idle. ``programs_per_sm``/``min_split``: the default's aim and its shortest piece."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    split_len: int | None = None
+    programs_per_sm: int = 4
+    min_split: int = 256
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """``block_m`` query rows of one head by ``block_n`` keys per step."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_prefill_config(dtype_name, head_dim, interpreter):
+    if interpreter:
+        return PrefillConfig(32, 32, 4, 1)
+    if dtype_name == "float32" or head_dim > 128:
+        return PrefillConfig(64, 32, 4, 2)
+    return PrefillConfig()
+
+
+def decode_splits(batch, num_kv_heads, max_len, num_sms, config=DecodeConfig()):
+    """``(split_len, num_splits)`` for a decode batch whose longest context is ``max_len`` tokens: one piece per
+    (sequence, KV head) when they already give ``programs_per_sm`` programs per SM, else the context cut into
+    enough pieces (of at least ``min_split`` tokens) to do so. ``num_sms`` None (the CPU interpreter): one piece
+    unless ``config.split_len`` says otherwise."""
+    bn = config.block_n
+    max_len = max(int(max_len), 1)
+    if config.split_len is not None:
+        split_len = config.split_len
+    elif num_sms is None:
+        split_len = _cdiv(max_len, bn) * bn
+    else:
+        splits = max(1, _cdiv(config.programs_per_sm * num_sms, max(batch * num_kv_heads, 1)))
+        split_len = max(_cdiv(_cdiv(max_len, splits), bn) * bn, _cdiv(config.min_split, bn) * bn)
+    return split_len, _cdiv(max_len, split_len)
+
+
+def decode_workspace_bytes(batch, num_heads, num_kv_heads, head_dim, max_len, num_sms, config=DecodeConfig()):
+    """Bytes of float32 partial outputs and log-sum-exps a decode of this size allocates (0 with one split)."""
+    _, splits = decode_splits(batch, num_kv_heads, max_len, num_sms, config)
+    return 0 if splits == 1 else batch * num_heads * splits * (_next_pow2(head_dim) + 1) * 4
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_size, max_seq_len=None, out=None,
+                 config=None):
+    """``out[b, h] = softmax(scale * q[b, h] K_b^T) V_b`` over the ``seq_lens[b]`` tokens of sequence ``b`` (the
+    current one included, already written to the cache); a length of 0 gives zeros.
+
+    ``q`` ``[B, Hq, D]`` float32, bfloat16 or float16; ``k_cache``/``v_cache`` ``[Hkv, num_pages * page_size, D]``
+    of q's dtype (``Hq`` a multiple of ``Hkv``); ``block_tables`` ``[B, max_pages]`` and ``seq_lens`` ``[B]``
+    int32/int64: token ``p`` of sequence ``b`` is cache row ``block_tables[b, p // page_size] * page_size +
+    p % page_size``. All contiguous on one CUDA device (or the CPU under ``TRITON_INTERPRET=1``), all torch or all
+    Paddle. ``max_seq_len``: the longest ``seq_lens`` entry as a host int (sizes the split; default
+    ``max_pages * page_size``, which is never read back from the device). ``out`` ``[B, Hq, D]`` of q's dtype is
+    overwritten; returned."""
+    ops = _ops_for(q)
+    batch, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
+    max_pages = _check_table(ops, block_tables, batch, q)
+    _check_index_vector(ops, seq_lens, "seq_lens", batch, q)
+    bound = max_pages * page_size
+    max_len = bound if max_seq_len is None else int(max_seq_len)
+    if max_len > bound:
+        raise ValueError(f"max_seq_len {max_len} exceeds block_tables' {max_pages} pages x {page_size} tokens")
+    out = _check_out(ops, out, q)
+    if batch == 0:
+        return out
+    cfg = config or DecodeConfig()
+    interp = launcher.interpreter_enabled()
+    split_len, num_splits = decode_splits(batch, num_kv_heads, max_len, None if interp else ops.num_sms(q), cfg)
+    if split_len % cfg.block_n:
+        raise ValueError(f"config.split_len {split_len} must be a multiple of block_n {cfg.block_n}")
+    if num_kv_heads > _MAX_GRID_YZ or num_splits > _MAX_GRID_YZ:
+        raise ValueError(f"{num_kv_heads} KV heads x {num_splits} splits exceed the grid's {_MAX_GRID_YZ}")
+    group = num_heads // num_kv_heads
+    d_pad = _next_pow2(head_dim)
+    split = num_splits > 1
+    part_o = ops.empty([batch, num_heads, num_splits, d_pad], "float32", q) if split else out
+    part_lse = ops.empty([batch, num_heads, num_splits], "float32", q) if split else out
+    ops.launch(tk._decode_kernel, (batch, num_kv_heads, num_splits),
+               [q, k_cache, v_cache, out, part_o, part_lse, block_tables, seq_lens,
+                _s(q, 0), _s(q, 1), _s(k_cache, 0), _s(k_cache, 1), _s(v_cache, 0), _s(v_cache, 1), _s(out, 0),
+                _s(out, 1), _s(block_tables, 0), num_heads, split_len, num_splits, float(scale) * tk.LOG2E],
+               GROUP=group, G_PAD=max(16, _next_pow2(group)), PAGE=page_size, BLOCK_N=cfg.block_n, D=head_dim,
+               D_PAD=d_pad, SPLIT=split, PAGE_TILES=page_size % cfg.block_n == 0, PRECISION=_precision(q, interp),
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        ops.launch(tk._reduce_kernel, (batch, num_heads),
+                   [part_o, part_lse, out, seq_lens, _s(out, 0), _s(out, 1), num_heads, split_len, num_splits],
+                   D=head_dim, D_PAD=d_pad, S_BLOCK=min(64, max(16, _next_pow2(num_splits))), num_warps=4)
+    return out
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, scale, page_size, max_q_len=None,
+                  out=None, config=None):
+    """Varlen chunks attending to their cached context and to themselves, causally, bottom-right aligned: row ``i``
+    of chunk ``b`` (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q``) is position ``ctx_lens[b] + i`` and sees
+    positions ``0 .. ctx_lens[b] + i`` of its sequence, all read through ``block_tables[b]`` (the chunk's own keys
+    and values already written to the cache). No mask tensor: prefix-cache hits and chunked prefill are chunks
+    after a context; a batch may mix them with fresh prompts (``ctx_lens`` 0).
+
+    ``q`` ``[T, Hq, D]``, caches and ``block_tables`` as for :func:`paged_decode`; ``cu_seqlens_q`` ``[B + 1]`` and
+    ``ctx_lens`` ``[B]`` int32/int64. ``max_q_len``: the longest chunk as a host int (default ``T``). ``out``
+    ``[T, Hq, D]`` of q's dtype: rows inside the chunks are overwritten, others left as they are."""
+    ops = _ops_for(q)
+    total, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
+    _check_tensor(ops, cu_seqlens_q, "cu_seqlens_q", q)
+    if len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1 or _dtype_name(cu_seqlens_q) not in _INDEX_DTYPES:
+        raise ValueError(f"cu_seqlens_q must be int32/int64 [B + 1], got {_dtype_name(cu_seqlens_q)} "
+                         f"{list(cu_seqlens_q.shape)}")
+    batch = int(cu_seqlens_q.shape[0]) - 1
+    _check_table(ops, block_tables, batch, q)
+    _check_index_vector(ops, ctx_lens, "ctx_lens", batch, q)
+    out = _check_out(ops, out, q)
+    longest = total if max_q_len is None else int(max_q_len)
+    if longest > total:
+        raise ValueError(f"max_q_len {longest} exceeds q's {total} rows")
+    if batch == 0 or longest == 0:
+        return out
+    interp = launcher.interpreter_enabled()
+    cfg = config or default_prefill_config(_dtype_name(q), head_dim, interp)
+    if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
+        raise ValueError(f"{batch} chunks x {num_heads} heads exceed the grid's {_MAX_GRID_YZ}")
+    tiles = _cdiv(longest, cfg.block_m)
+    ops.launch(tk._prefill_kernel, (tiles, num_heads, batch),
+               [q, k_cache, v_cache, out, block_tables, cu_seqlens_q, ctx_lens,
+                _s(q, 0), _s(q, 1), _s(k_cache, 0), _s(k_cache, 1), _s(v_cache, 0), _s(v_cache, 1), _s(out, 0),
+                _s(out, 1), _s(block_tables, 0), tiles, float(scale) * tk.LOG2E],
+               GROUP=num_heads // num_kv_heads, PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+               D=head_dim, D_PAD=_next_pow2(head_dim), PAGE_TILES=page_size % cfg.block_n == 0,
+               PRECISION=_precision(q, interp), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _precision(q, interp):
+    # float32 operands stay IEEE (the interpreter's NumPy products are anyway); 16-bit ones ignore it.
+    return "ieee" if interp or _dtype_name(q) == "float32" else "tf32"
+
+
+def _check_q_cache(ops, q, k_cache, v_cache, page_size, q_rank):
+    if not ops.is_cuda(q) and not (ops.is_cpu(q) and launcher.interpreter_enabled()):
+        raise ValueError(f"q is on {ops.device_key(q)}: the kernels need a CUDA device, or CPU tensors with "
+                         "TRITON_INTERPRET=1")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_tensor(ops, t, name, q)
+    if len(q.shape) != q_rank or _dtype_name(q) not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16 [tokens, Hq, D], got {_dtype_name(q)} "
+                         f"{list(q.shape)}")
+    rows, num_heads, head_dim = (int(s) for s in q.shape)
+    if not 0 < head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={head_dim} must be in [1, {_MAX_HEAD_DIM}]")
+    if len(k_cache.shape) != 3 or int(k_cache.shape[2]) != head_dim:
+        raise ValueError(f"k_cache must be [Hkv, num_pages * page_size, {head_dim}], got {list(k_cache.shape)}")
+    if list(v_cache.shape) != list(k_cache.shape):
+        raise ValueError(f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}")
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if _dtype_name(t) != _dtype_name(q):
+            raise ValueError(f"{name} must have q's dtype {_dtype_name(q)}, got {_dtype_name(t)}")
+    num_kv_heads = int(k_cache.shape[0])
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"q's {num_heads} heads must be a multiple of the caches' {num_kv_heads} KV heads")
+    if int(page_size) < 1 or int(k_cache.shape[1]) % int(page_size):
+        raise ValueError(f"page_size {page_size} must be >= 1 and divide the caches' {int(k_cache.shape[1])} rows")
+    return rows, num_heads, head_dim, num_kv_heads
+
+
+def _check_table(ops, block_tables, batch, like):
+    _check_tensor(ops, block_tables, "block_tables", like)
+    if len(block_tables.shape) != 2 or int(block_tables.shape[0]) != batch or \
+            _dtype_name(block_tables) not in _INDEX_DTYPES:
+        raise ValueError(f"block_tables must be int32/int64 [{batch}, max_pages], got {_dtype_name(block_tables)} "
+                         f"{list(block_tables.shape)}")
+    return int(block_tables.shape[1])
+
+
+def _check_index_vector(ops, t, name, length, like):
+    _check_tensor(ops, t, name, like)
+    if len(t.shape) != 1 or int(t.shape[0]) != length or _dtype_name(t) not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32/int64 [{length}], got {_dtype_name(t)} {list(t.shape)}")
+
+
+def _check_out(ops, out, q):
+    if out is None:
+        return ops.empty(list(q.shape), _dtype_name(q), q)
+    _check_tensor(ops, out, "out", q)
+    if list(out.shape) != list(q.shape) or _dtype_name(out) != _dtype_name(q):
+        raise ValueError(f"out must be {_dtype_name(q)} {list(q.shape)}, got {_dtype_name(out)} {list(out.shape)}")
+    return out
+
+
+def _check_tensor(ops, t, name, like):
+    if not ops.owns(t):
+        raise ValueError(f"{name} must be a {ops.name} tensor like q, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if ops.device_key(t) != ops.device_key(like):
+        raise ValueError(f"{name} is on {ops.device_key(t)} but q is on {ops.device_key(like)}")
+
+
+def _ops_for(q):
+    if launcher.is_paddle_tensor(q):
+        return launcher.PaddleOps()
+    if type(q).__module__.startswith("torch"):
+        return _TorchOps()
+    raise ValueError(f"q must be a torch.Tensor or paddle.Tensor, got {type(q).__name__}")
+
+
+class _TorchOps:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def owns(self, t):
+        return isinstance(t, self.torch.Tensor)
+
+    def is_cuda(self, t):
+        return t.device.type == "cuda"
+
+    def is_cpu(self, t):
+        return t.device.type == "cpu"
+
+    def device_key(self, t):
+        return t.device
+
+    def empty(self, shape, dtype_name, like):
+        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
+
+    def num_sms(self, t):
+        if not self.is_cuda(t):
+            return None
+        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
+
+    def launch(self, kernel, grid, args, **meta):
+        if launcher.interpreter_enabled():
+            launcher.patch_interpreter_scalar_index()
+        kernel[grid](*args, **meta)
+
+
+def _s(t, dim):
+    """Element stride of ``dim`` of a contiguous tensor (checked), from its shape alone: torch and Paddle spell
+    strides differently."""
+    stride = 1
+    for size in t.shape[dim + 1:]:
+        stride *= int(size)
+    return stride
+
+
+def _dtype_name(t):
+    return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(n):
+    return 1 << (max(1, n) - 1).bit_length()

@@ -8,6 +8,9 @@
    implementation, and is not counted.
 2. Imports point one way, ops <- layers <- models <- engine <- entrypoints, and ``config`` imports none of them.
 3. No import cycles among ``fastdeploy_ext`` modules.
+4. No ``paddle.incubate`` function is reachable unguarded: every import of, or attribute reaching into,
+   ``paddle.incubate`` sits inside an ``if`` whose condition calls ``cpu_flags`` (``ops/host/cpu_features.py``) or asks
+   for a GPU (:data:`GPU_GUARDS`). Paddle's incubate CPU kernels are built for AVX-512 and die with SIGILL elsewhere.
 
 Imports are read everywhere in a module (function-level ones included; ``if TYPE_CHECKING:`` blocks excluded, they
 never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
@@ -285,6 +288,41 @@ def test_no_import_cycles():
         f"  {' <-> '.join(c)}\n    " + "\n    ".join(_cycle_edges(root, c)) for c in cycles)
 
 
+# ---------------------------------------------------------------- rule 4: paddle.incubate behind a guard
+
+GPU_GUARDS = ("cpu_flags", "is_gpu_place", "is_compiled_with_cuda")
+
+
+def _is_incubate(node: ast.AST) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").startswith("paddle.incubate") or (
+            node.module == "paddle" and any(a.name == "incubate" for a in node.names))
+    if isinstance(node, ast.Import):
+        return any(a.name.startswith("paddle.incubate") for a in node.names)
+    return isinstance(node, ast.Attribute) and node.attr == "incubate"
+
+
+def unguarded_incubate(root: str) -> list[str]:
+    found = []
+    for name, path in modules(root).items():
+        todo = [(parse(path), False)]
+        while todo:
+            node, guarded = todo.pop()
+            if _is_incubate(node) and not guarded:
+                found.append(f"{rel(path, root)}:{node.lineno}")
+            for child in ast.iter_child_nodes(node):
+                inside = guarded or (isinstance(node, ast.If) and child in node.body and any(
+                    g in ast.unparse(node.test) for g in GPU_GUARDS))
+                todo.append((child, inside))
+    return sorted(found)
+
+
+def test_no_unguarded_paddle_incubate():
+    found = unguarded_incubate(package_dir())
+    assert not found, ("paddle.incubate reached without a CPU-feature or GPU guard (its CPU kernels need "
+                       "AVX-512):\n  " + "\n  ".join(found))
+
+
 # ---------------------------------------------------------------- the checker itself
 
 
@@ -317,6 +355,19 @@ def test_checker_sees_what_it_should(tmp_path):
         ),
         "models/__init__.py": "",
         "models/m.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fastdeploy_ext.engine import e\n",
+        "ops/inc.py": (
+            "import paddle\n"
+            "from paddle.incubate.nn.functional import fused_rms_norm\n"
+            "def f(x):\n"
+            "    return paddle.incubate.nn.functional.swiglu(x)\n"
+            "def g(x):\n"
+            "    if 'avx512f' in cpu_flags():\n"
+            "        from paddle.incubate.nn import functional\n"
+            "    else:\n"
+            "        from paddle import incubate\n"
+            "    if x.place.is_gpu_place():\n"
+            "        return paddle.incubate.softmax_mask_fuse(x)\n"
+        ),
         "engine/__init__.py": "",
         "engine/e.py": "",
     }
@@ -325,6 +376,7 @@ def test_checker_sees_what_it_should(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     root = str(pkg)
+    assert unguarded_incubate(root) == ["fastdeploy_ext/ops/inc.py:2", "fastdeploy_ext/ops/inc.py:4", "fastdeploy_ext/ops/inc.py:9"]
     found = backend_branches(root)
     assert [re.sub(r"^.*?:(\d+) ", r"\1 ", f).split(":")[0] for f in found] == \
         ["10 forward", "11 forward", "13 forward", "18 forward"], found

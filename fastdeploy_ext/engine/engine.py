@@ -38,6 +38,7 @@ from fastdeploy_ext.engine.stop_strings import StopMatcher
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
+from fastdeploy_ext.ops.host.cpu_features import describe_cpu
 from fastdeploy_ext.ops.host.host_threads import host_threads, set_host_threads
 
 logger = logging.getLogger("fastdeploy_ext")
@@ -187,7 +188,7 @@ def set_device(args: EngineArgs, local_rank: int = 0) -> str:
         paddle.set_device(f"gpu:{local_rank}")
     else:
         paddle.set_device("cpu")
-        set_cpu_threads(args)
+        logger.info("CPU: %s; %d threads", describe_cpu(), set_cpu_threads(args))
     return device
 
 

@@ -84,13 +84,41 @@ def test_decode_reads_exactly_the_admitted_frames_in_blocks():
     np.testing.assert_array_equal(out, want.astype(np.float32))
 
 
-@pytest.mark.parametrize("value", [3e38, 1.5, -1.0001], ids=["3e38", "1.5", "-1.0001"])
-def test_float_samples_outside_unit_range_are_refused(value):
+@pytest.mark.parametrize("value", [3e38, 32768.5, -40000.0], ids=["3e38", "just_past_2^15", "-40000"])
+def test_float_samples_past_int16_full_scale_are_refused(value):
     samples = np.zeros(16000, np.float32)
     samples[100] = value
-    with pytest.raises(ValueError, match=r"outside \[-1, 1\]"):
+    with pytest.raises(ValueError, match=r"audio bytes .* above 2\^15 = 32768"):
         load_audio(encode(samples, 16000, subtype="FLOAT"))
-    with pytest.raises(ValueError, match=r"outside \[-1, 1\]"):
+    with pytest.raises(ValueError, match=r"audio array has float samples up to .* above 2\^15.*divide it by 32768"):
         load_audio(samples)
-    samples[100] = 1.0
-    assert load_audio(samples)[100] == 1.0
+    with pytest.raises(ValueError, match=r"above 2\^15"):
+        load_audio(np.stack([np.zeros(16000, np.float32), samples], axis=1))  # one channel past it, not the mean
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_samples_are_refused(value):
+    samples = np.zeros(16000, np.float64)
+    samples[7] = value
+    with pytest.raises(ValueError, match="NaN or inf samples"):
+        load_audio(samples)
+    with pytest.raises(ValueError, match="NaN or inf samples"):
+        load_audio(encode(samples.astype(np.float32), 16000, subtype="FLOAT"))
+
+
+def test_float64_too_large_for_float32_is_named_by_its_peak_not_as_inf():
+    samples = np.zeros(16000, np.float64)
+    samples[3] = 1e300
+    with pytest.raises(ValueError, match=r"up to \|x\| = 1e\+300, above 2\^15"):
+        load_audio(samples)
+
+
+@pytest.mark.parametrize("peak", [1.0, 1.13, 1.5, -1.0001, 32768.0])
+def test_finite_float_samples_are_taken_as_they_are(peak):
+    """Overshoots past 1.0 (Gaussian noise, resampled or gain-adjusted recordings) are kept unchanged, up to and
+    including int16 full scale, as HF's feature extractor and vLLM take them."""
+    samples = np.random.default_rng(32).standard_normal(16000).astype(np.float32) * np.float32(0.3)
+    samples[100] = peak
+    np.testing.assert_array_equal(load_audio(samples), samples)
+    np.testing.assert_array_equal(load_audio(samples.astype(np.float64)), samples)
+    np.testing.assert_array_equal(load_audio(encode(samples, 16000, subtype="FLOAT")), samples)

@@ -137,6 +137,7 @@ BAD_AUDIO = {
     "empty": (lambda tmp: np.zeros(0, np.float32), ValueError, r"audio array is empty"),
     "nan": (lambda tmp: np.where(np.arange(16000) == 500, np.nan, tone(1.0)).astype(np.float32), ValueError, "NaN or inf"),
     "inf": (lambda tmp: np.where(np.arange(16000) == 9, np.inf, tone(1.0)).astype(np.float32), ValueError, "NaN or inf"),
+    "pcm-as-float": (lambda tmp: (tone(1.0) * 32768 / 0.25).astype(np.float32), ValueError, r"above 2\^15 .* divide it by 32768"),
     "uint8": (lambda tmp: np.full(16000, 128, np.uint8), TypeError, "unsupported sample dtype uint8"),
     "complex": (lambda tmp: tone(1.0).astype(np.complex64), TypeError, "unsupported sample dtype complex64"),
     "corrupt-file": (_corrupt_file, ValueError, r"cannot decode audio file .*corrupt\.wav"),
@@ -144,6 +145,15 @@ BAD_AUDIO = {
     "missing-file": (lambda tmp: str(tmp / "nope.wav"), ValueError, r"audio file not found: .*nope\.wav"),
     "bad-rate": (lambda tmp: (tone(1.0), 0), ValueError, "sample rate .* must be a positive int"),
 }
+
+
+def test_gaussian_noise_overshooting_one_is_taken(llm):
+    """Issue 32's case: Gaussian noise peaking at 1.13 is real audio, as HF's feature extractor and vLLM take it."""
+    noise = np.random.default_rng(32).standard_normal(16000).astype(np.float32) * np.float32(0.3)
+    noise[321] = 1.13
+    out = llm.generate({"prompt": user_prompt("<|AUDIO|>What is it?"), "multimodal_data": {"audio": [noise]}},
+                       GREEDY, use_tqdm=False)[0]
+    assert out.error_code == 200 and out.outputs.token_ids
 
 
 @pytest.mark.parametrize("name", list(BAD_AUDIO))

@@ -337,12 +337,16 @@ def test_audio_refused_by_its_header_before_decoding(audio_server, data, needle)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-def test_float_audio_out_of_range_is_400_naming_the_part(audio_server):
+def test_float_audio_past_int16_scale_is_400_naming_the_part_and_overshoot_is_taken(audio_server):
     server, _ = audio_server
     samples = np.zeros(16000, np.float32)
     samples[10] = 3e38
     msg = refused(audio_chat(server, b64part(encode(samples, 16000, subtype="FLOAT"))), 400, "messages.0.content.0")
-    assert "outside [-1, 1]" in msg
+    assert "above 2^15" in msg and "divide it by 32768" in msg
+    noise = np.random.default_rng(32).standard_normal(16000).astype(np.float32) * np.float32(0.3)
+    noise[123] = 1.13  # a resampled or gain-adjusted recording's overshoot
+    r = audio_chat(server, b64part(encode(noise, 16000, subtype="FLOAT")))
+    assert r.status_code == 200, r.text
 
 
 def test_nul_byte_in_file_url_is_400(audio_server):

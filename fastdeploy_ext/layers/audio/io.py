@@ -1,7 +1,9 @@
 """Audio input for MiDashengLM: decode, downmix and resample to 16 kHz mono float32, and count audio tokens.
 
 The model applies no waveform normalisation, so the loader only scales integer PCM to [-1, 1) and never rescales
-float audio; float samples must already lie in [-1, 1].
+float audio: finite float samples are taken as they are, overshoots past 1.0 included (resampled or gain-adjusted
+recordings have them; HF's feature extractor and vLLM take them too). Non-finite samples and peaks above 2^15 (int16
+full scale: PCM passed as float, or garbage, whose squares would overflow the float32 frontend) are refused.
 
 Encoded audio is bounded before it is decoded: the header (frames, rate, channels) is read first and a clip longer
 than ``max_seconds`` or sampled outside 8-192 kHz is refused; then at most the header's frames + 1 are decoded,
@@ -27,6 +29,8 @@ MAX_CHANNELS = 8
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 192000
 DEFAULT_MAX_AUDIO_SECONDS = 300.0
+# Largest float sample magnitude taken: int16 full scale. No float audio convention reaches it.
+MAX_FLOAT_PEAK = 32768.0
 # Frames per decoded block: one block of 8 channels of float32 is 2 MiB.
 _BLOCK_FRAMES = 65536
 
@@ -81,10 +85,12 @@ def _check_rate(sr: int, what: str) -> None:
 
 def _check_samples(block: np.ndarray, what: str) -> None:
     if not np.isfinite(block).all():
-        raise ValueError(f"{what} contains NaN or inf samples")
-    if block.size and float(np.max(np.abs(block))) > 1.0:
-        raise ValueError(f"{what} has float samples outside [-1, 1] (max |x| = {float(np.max(np.abs(block))):.3g}); "
-                         "scale the audio first")
+        raise ValueError(f"{what} contains NaN or inf samples; every sample must be a finite number")
+    peak = float(np.max(np.abs(block))) if block.size else 0.0
+    if peak > MAX_FLOAT_PEAK:
+        raise ValueError(f"{what} has float samples up to |x| = {peak:.3g}, above 2^15 = 32768 (int16 full scale); "
+                         "float audio is expected near [-1, 1]: if this is int16 PCM stored as float, divide it by 32768 "
+                         "(or pass the int16 array)")
 
 
 class _Resampler:
@@ -149,6 +155,8 @@ def _to_mono_float(array: np.ndarray, what: str) -> np.ndarray:
             f"unsupported sample dtype {array.dtype} for {what}; expected int16, int32 (PCM, scaled by 2^-15 / 2^-31), "
             "float32 or float64 (used as is)"
         )
+    if array.dtype.kind == "f":
+        _check_samples(array, what)  # before the float32 cast, which would turn a large float64 into inf
     array = array.astype(np.float32) * np.float32(scale)
     if array.ndim == 1:
         return array
@@ -178,7 +186,7 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE, max_seconds: f
             - an ``(array, sample_rate)`` tuple.
             Arrays are ``[L]`` mono or 2-D multi-channel, either ``[L, C]`` or ``[C, L]``: the channel axis is the shorter
             one and has at most 8 entries. Channels are averaged. int16 / int32 PCM is scaled by 2^-15 / 2^-31;
-            float32 / float64 samples are used unchanged and must lie in [-1, 1].
+            float32 / float64 samples are used unchanged: finite, with peaks up to 2^15 (overshoots past 1.0 are kept).
         target_sr: output sample rate; the model expects 16000.
         max_seconds: longest clip accepted (300 s by default); encoded audio is refused by its header, before decoding.
         on_frames: called with the number of frames of each decoded block (encoded sources only).
@@ -188,7 +196,7 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE, max_seconds: f
 
     Raises:
         FileNotFoundError: a path that does not exist.
-        ValueError: undecodable data, empty audio, NaN/inf or out-of-range samples, a sample rate outside 8-192 kHz,
+        ValueError: undecodable data, empty audio, NaN/inf samples or float peaks above 2^15, a sample rate outside 8-192 kHz,
             a clip longer than ``max_seconds`` or an ambiguous array layout.
         TypeError: an unsupported source type or sample dtype.
     """
@@ -229,7 +237,6 @@ def load_audio(source: AudioSource, target_sr: int = SAMPLE_RATE, max_seconds: f
         raise ValueError(f"{what} is empty (0 samples)")
     if waveform.shape[0] / sr > max_seconds:
         raise ValueError(f"{what} is {waveform.shape[0] / sr:.1f} s long; the limit is {max_seconds:g} s")
-    _check_samples(waveform, what)
     if sr != target_sr:
         resampler = _Resampler(sr, target_sr)
         resampler.add(waveform)

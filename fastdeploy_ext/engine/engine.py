@@ -73,7 +73,9 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None  # None: on where the model supports it (engine/prefix_cache.py)
     prefix_snapshot_interval: int = 128  # blocks between recurrent-state snapshots (hybrid models)
     num_prefix_snapshots: int | None = None  # snapshot pool slots (hybrid models); None: 2 * max_num_seqs
-    reasoning_parser: str | None = None  # its think tags bound where guided decoding starts
+    # "auto": the architecture's (minimax_m1 for MiniMax-M1); "none" or None: off. Its think tags bound
+    # where guided decoding starts.
+    reasoning_parser: str | None = "auto"
 
 
 def set_cpu_threads(args: EngineArgs) -> int:
@@ -326,11 +328,10 @@ class LLMEngine:
         self._siblings: dict[str, list[str]] = {}  # id given to add_request (n > 1) -> its sibling ids
         eos = set(self.tokenizer.eos_token_ids) | set(getattr(model_config, "eos_token_id", []) or [])
         self.eos_token_ids = sorted(eos)
-        self.reasoning_parser = None
-        if args.reasoning_parser is not None:
-            from fastdeploy_ext.engine.reasoning_parsers import get_reasoning_parser
+        from fastdeploy_ext.engine.reasoning_parsers import get_reasoning_parser, resolve_reasoning_parser
 
-            self.reasoning_parser = get_reasoning_parser(args.reasoning_parser)
+        reasoning = resolve_reasoning_parser(args.reasoning_parser, type(self.model).name())
+        self.reasoning_parser = get_reasoning_parser(reasoning) if reasoning is not None else None
         self._guided: GuidedDecoder | None = None
 
     @property

@@ -28,7 +28,8 @@ class LLM:
     that supports it), ``prefix_snapshot_interval`` (blocks, default 128) and ``num_prefix_snapshots`` (default
     2 * max_num_seqs): docs/architecture.md "Prefix caching". A prompt dict may carry ``"cache_salt"``: cached
     prefixes are shared only among requests with the same salt.
-    checkpoints are recognised from config.json. ``reasoning_parser`` (``"minimax_m1"``, ``"think"``) splits
+    checkpoints are recognised from config.json. ``reasoning_parser`` (``"minimax_m1"``, ``"think"``, ``"qwen3"``; default
+    ``"auto"``: the architecture's, ``minimax_m1`` for MiniMax-M1; ``None`` or ``"none"`` turns it off) splits
     ``<think>`` sections into ``outputs.reasoning_content`` in :meth:`chat` (and guided decoding starts after
     them); ``tool_call_parser`` (default: the architecture's, e.g. ``"minimax_m1"``, ``"qwen2"``) reads the
     calls :meth:`chat` returns in ``outputs.tool_calls``; ``chat_template`` replaces the checkpoint's.
@@ -41,7 +42,7 @@ class LLM:
                  num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0,
                  enable_prefix_caching: bool | None = None, prefix_snapshot_interval: int = 128,
                  num_prefix_snapshots: int | None = None,
-                 reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = "auto", tool_call_parser: str | None = None,
                  chat_template: str | None = None):
         from fastdeploy_ext.engine.chat_adapter import ChatFormat
         from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser

@@ -1,28 +1,43 @@
 """Reasoning parsers: split a ``<think> ... </think>`` section off a model's output.
 
-``--reasoning-parser minimax_m1`` (MiniMax-M1 writes ``<think>`` at the start of its reply; its chat
-template does not open one) and the generic ``think`` (any model with those tags) share one rule:
+``minimax_m1`` (MiniMax-M1 writes ``<think>`` at the start of its reply; the default for M1 checkpoints),
+the generic ``think`` and ``qwen3`` share one rule:
 
 - output that starts with ``<think>`` (after optional whitespace) is reasoning up to the first
   ``</think>``, the rest is content; without ``</think>`` everything is reasoning and content is None;
 - output that does not start with ``<think>`` is all content (reasoning None);
 - if the prompt itself ends with ``<think>`` (a template that opens the section), output is reasoning up
-  to the first ``</think>``.
+  to the first ``</think>``, and a ``<think>`` the model writes again at its start is dropped.
+
+Per family: ``qwen3`` ends reasoning at a ``<tool_call>`` tag too (Qwen3 models call a tool without
+closing ``</think>``; the tag and what follows are content, where the tool-call parser reads them).
+``minimax_m1`` strips the whitespace around both sections (M1 writes ``<think>\\n...\\n</think>\\n``).
 
 The non-streaming result is the streaming parser fed the whole text, so the two agree by construction.
-The server hands only the content to the tool-call parser: a ``<tool_calls>`` block inside ``<think>`` is
-not a call.
+Held back while streaming: at most a tag prefix, and (``minimax_m1``) whitespace that may end the section.
+The server hands only the content to the tool-call parser: a tool-call block inside ``<think>`` is never
+a call.
 """
 
 from __future__ import annotations
 
+import re
 
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+_WS = re.compile(r"\s+")
+_NONE = ("none", "")
+# The reasoning parser a checkpoint's family uses unless told otherwise ("auto").
+_BY_ARCHITECTURE = {"MiniMaxM1ForCausalLM": "minimax_m1"}
+
+
+def _held_prefix(text: str, tags) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
 
 
 class StreamingReasoning:
@@ -30,47 +45,106 @@ class StreamingReasoning:
 
     def __init__(self, parser: "ThinkReasoningParser", opened: bool):
         self.start_tag, self.end_tag = parser.start_tag, parser.end_tag
-        self._state = "reasoning" if opened else "start"
-        self._buf = ""
-        self.saw_reasoning = opened
+        self._ends = [parser.end_tag] + ([parser.tool_tag] if parser.tool_tag else [])
+        self._tool_tag = parser.tool_tag
+        self._strip = parser.strip
+        self._state = "start_open" if opened else "start"
+        self._ws: list[str] = []  # whitespace before the first non-space text (start states)
+        self._buf = ""  # a possible tag prefix
+        self._lead = True  # (strip) the current section has shown only whitespace so far
+        self._trail: list[str] = []  # (strip) whitespace at the end of the reasoning so far
+        self.saw_reasoning = False
+
+    def _reasoning(self, text: str, out: list[str]) -> None:
+        if not self._strip:
+            out.append(text)
+            return
+        if self._lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lead = False
+        body = text.rstrip()
+        if body:
+            out.extend(self._trail)
+            self._trail = []
+            out.append(body)
+        self._trail.append(text[len(body):])
+
+    def _content(self, text: str, out: list[str]) -> None:
+        if self._strip and self._lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lead = False
+        out.append(text)
+
+    def _enter(self, state: str) -> None:
+        self._state, self._lead, self._trail = state, True, []
+        if state == "reasoning":
+            self.saw_reasoning = True
 
     def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        reasoning, content = "", ""
-        while True:
-            if self._state == "start":
-                head = self._buf.lstrip()
-                if head.startswith(self.start_tag):
-                    self._buf = head[len(self.start_tag):]
-                    self._state, self.saw_reasoning = "reasoning", True
+        text, self._buf = self._buf + delta, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        i, n = 0, len(text)
+        while i < n:
+            if self._state in ("start", "start_open"):
+                m = _WS.match(text, i)
+                if m is not None:
+                    self._ws.append(m.group())
+                    i = m.end()
                     continue
-                if head and self.start_tag.startswith(head):
-                    return reasoning, content  # could still become "<think>"
-                if not head:
-                    return reasoning, content
-                self._state = "content"
+                if text.startswith(self.start_tag, i):
+                    self._ws = []
+                    self._enter("reasoning")
+                    i += len(self.start_tag)
+                    continue
+                if n - i < len(self.start_tag) and self.start_tag.startswith(text[i:]):
+                    self._buf = text[i:]  # could still become "<think>"
+                    break
+                held, self._ws = "".join(self._ws), []
+                if self._state == "start":
+                    self._enter("content")
+                    content.append(held)  # text from the start: nothing to strip
+                    self._lead = False
+                else:
+                    self._enter("reasoning")
+                    self._reasoning(held, reasoning)
                 continue
             if self._state == "reasoning":
-                i = self._buf.find(self.end_tag)
-                if i >= 0:
-                    reasoning += self._buf[:i]
-                    self._buf = self._buf[i + len(self.end_tag):]
-                    self._state = "content"
+                hits = [(j, t) for t in self._ends if (j := text.find(t, i)) >= 0]
+                if hits:
+                    j, tag = min(hits)
+                    self._reasoning(text[i:j], reasoning)
+                    self._enter("content")
+                    i = j if tag == self._tool_tag else j + len(tag)
                     continue
-                keep = _held_prefix(self._buf, self.end_tag)
-                reasoning += self._buf[:len(self._buf) - keep]
-                self._buf = self._buf[len(self._buf) - keep:]
-                return reasoning, content
-            content += self._buf
-            self._buf = ""
-            return reasoning, content
+                keep = _held_prefix(text[max(i, n - 16):], self._ends)
+                self._reasoning(text[i:n - keep], reasoning)
+                self._buf = text[n - keep:]
+                break
+            self._content(text[i:], content)
+            break
+        return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
         """What was held back at the end of the stream (an unfinished tag is text)."""
         buf, self._buf = self._buf, ""
-        if self._state == "reasoning":
-            return buf, ""
-        return "", buf
+        held, self._ws = "".join(self._ws), []
+        reasoning: list[str] = []
+        if self._state == "start":
+            return "", held + buf
+        if self._state == "start_open":
+            self._enter("reasoning")
+            self._reasoning(held + buf, reasoning)
+        elif self._state == "reasoning" and buf:
+            self._reasoning(buf, reasoning)
+        if not self._strip:
+            reasoning.extend(self._trail)
+        self._trail = []
+        return "".join(reasoning), ""
 
 
 class ThinkReasoningParser:
@@ -79,8 +153,10 @@ class ThinkReasoningParser:
     start_tag = "<think>"
     end_tag = "</think>"
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, strip: bool = False, tool_tag: str | None = None):
         self.name = name
+        self.strip = strip
+        self.tool_tag = tool_tag
 
     def prompt_opens_reasoning(self, prompt_tail: str) -> bool:
         return prompt_tail.rstrip().endswith(self.start_tag)
@@ -97,14 +173,31 @@ class ThinkReasoningParser:
         return (reasoning if s.saw_reasoning else None), (content or None)
 
 
-_PARSERS = ("minimax_m1", "think")
+_PARSERS = {"minimax_m1": dict(strip=True), "think": {}, "qwen3": dict(tool_tag="<tool_call>")}
 
 
 def reasoning_parser_names() -> list[str]:
-    return list(_PARSERS)
+    """Parser names, then ``auto`` (the architecture's parser, if it has one) and ``none`` (off)."""
+    return list(_PARSERS) + ["auto", "none"]
+
+
+def default_reasoning_parser(architecture: str) -> str | None:
+    """The reasoning parser of a checkpoint's family (MiniMax-M1 always thinks), or None."""
+    return _BY_ARCHITECTURE.get(architecture)
+
+
+def resolve_reasoning_parser(name: str | None, architecture: str) -> str | None:
+    """The parser name ``name`` means for ``architecture``: ``auto`` its family's, ``none``/None off."""
+    if name is None or name in _NONE:
+        return None
+    if name == "auto":
+        return default_reasoning_parser(architecture)
+    if name not in _PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; available: {', '.join(reasoning_parser_names())}")
+    return name
 
 
 def get_reasoning_parser(name: str) -> ThinkReasoningParser:
     if name not in _PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; available: {', '.join(_PARSERS)}")
-    return ThinkReasoningParser(name)
+    return ThinkReasoningParser(name, **_PARSERS[name])

@@ -102,7 +102,7 @@ class DeployConfig:
     rank_heartbeat_timeout_s: float = 30.0
     stats_interval: float = 10.0
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = "auto"
     chat_template: str | None = None
     source: str = "<flags>"
 
@@ -221,7 +221,8 @@ _SCHEMA = {
                          "Tool-call syntax the server reads from the model's output (minimax_m1, qwen2); default: "
                          "the architecture's."),
     "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"),
-                         "Split <think> sections into reasoning_content (minimax_m1, think); default: none."),
+                         "Split <think> sections into reasoning_content (minimax_m1, think, qwen3); default: auto, "
+                         "the architecture's (minimax_m1 for MiniMax-M1, else none); none turns it off."),
     "chat_template": ((str, type(None)), None, "Jinja chat template file replacing the checkpoint's (e.g. a "
                       "tool-aware one); relative to the YAML file."),
 }

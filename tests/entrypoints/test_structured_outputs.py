@@ -29,7 +29,8 @@ def servers(start_server, tiny_qwen2_dir, tmp_path_factory):
     # prompts with two tools' schemas run to ~900 tiny-vocabulary tokens
     write_tiny("MiniMaxM1ForCausalLM", m1_dir, seed=0, max_position_embeddings=4096)
     qwen = start_server(["--model", tiny_qwen2_dir, "--served-model-name", "qwen", "--max-model-len", "2048"])
-    m1 = start_server(["--model", m1_dir, "--served-model-name", "m1", "--max-model-len", "2048"])
+    m1 = start_server(["--model", m1_dir, "--served-model-name", "m1", "--max-model-len", "2048",
+                       "--reasoning-parser", "none"])
     return {"qwen": (qwen, tiny_qwen2_dir), "m1": (m1, m1_dir)}
 
 

@@ -4,6 +4,9 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     {"name": "get_time", "arguments": {"zone": "CET"}}
     </tool_calls>
+
+M1 thinks before it answers; a ``<think>`` section is never scanned for calls, even when no reasoning parser
+splits it off (vLLM's ``minimax`` parser drops calls inside it the same way).
 """
 
 from fastdeploy_ext.engine.tool_parsers.base import MAX_CALLS_PER_RESPONSE, ToolParser
@@ -13,6 +16,7 @@ class MiniMaxM1ToolParser(ToolParser):
     name = "minimax_m1"
     block_start = "<tool_calls>"
     block_end = "</tool_calls>"
+    opaque = ("<think>", "</think>")
 
     def call_grammar(self, tools: list[dict], single: bool) -> str:
         more = "" if single else f' ("\\n" call){{0,{MAX_CALLS_PER_RESPONSE - 1}}}'

@@ -9,12 +9,15 @@ batched matmul over all heads wants.
 The runner orders a step's sequences decode-first (one token each) then prefill chunks; the index
 arrays below are built once per step (``AttentionBackend.init_attention_metadata``) and shared by every
 attention layer, with the device tensors made from them on first use. ``Attention`` picks its
-implementation at construction: :class:`PaddleAttention` here (the device backend: Paddle ops on any
-device and dtype) or ``fastdeploy_ext.ops.host.attention.HostAttention`` (CPU float32, NumPy/MKL).
+implementation at construction: on the device backend :class:`KernelAttention` (the paged Triton kernels of
+``fastdeploy_ext.ops.paged_attention``: bfloat16/float16 on a GPU, or forced by ``FDEXT_ATTENTION_KERNELS=triton``,
+e.g. float32 under ``TRITON_INTERPRET=1`` on a CPU) or :class:`PaddleAttention` (Paddle ops on any device and
+dtype); on the host backend ``fastdeploy_ext.ops.host.attention.HostAttention`` (CPU float32, NumPy/MKL).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -22,7 +25,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fastdeploy_ext.layers.utils import backend_of
+from fastdeploy_ext.layers.utils import backend_of, compute_dtype
+from fastdeploy_ext.ops.paged_attention.selection import KERNELS_ENV, select_attention_impl
 
 _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 
@@ -113,6 +117,17 @@ class Decodes:
                 self._groups.append(DecodeGroup(lo, hi - lo, nblk * block_size, idx.reshape(-1), mask))
         return self._groups
 
+    @cached_property
+    def kernel_args(self) -> tuple:
+        """``(block_tables [Bd, max_pages] int32, lengths [Bd] int32, longest length)`` for ``paged_decode``,
+        uploaded once per step."""
+        width = max([len(p) for p in self.pages] + [1])
+        table = np.zeros([len(self.pages), width], np.int32)
+        for i, p in enumerate(self.pages):
+            table[i, : len(p)] = p
+        longest = int(self.lengths.max()) if len(self.lengths) else 0
+        return paddle.to_tensor(table), paddle.to_tensor(self.lengths.astype(np.int32)), longest
+
     @classmethod
     def of(cls, lengths, pages, block_size: int, dtype: str = "float32") -> Decodes:
         first_rows = np.array([p[0] * block_size if np.all(np.diff(p) == 1) else -1 for p in pages], np.int64)
@@ -138,6 +153,19 @@ class AttentionMetadata:
     @cached_property
     def output_rows_tensor(self) -> paddle.Tensor:
         return _index(self.output_rows)
+
+    @cached_property
+    def prefill_kernel_args(self) -> tuple:
+        """``(block_tables [Bp, max_pages] int32, cu_seqlens [Bp + 1] int32 in the step's token rows (from
+        num_decode), context lengths [Bp] int32, longest chunk)`` for ``paged_prefill``, uploaded once per step."""
+        width = max([len(p.blocks) for p in self.prefills] + [1])
+        table = np.zeros([len(self.prefills), width], np.int32)
+        for i, p in enumerate(self.prefills):
+            table[i, : len(p.blocks)] = p.blocks
+        cu = np.array([self.num_decode] + [p.q_start + p.q_len for p in self.prefills], np.int32)
+        ctx = np.array([p.ctx_start for p in self.prefills], np.int32)
+        longest = max([p.q_len for p in self.prefills] + [0])
+        return paddle.to_tensor(table), paddle.to_tensor(cu), paddle.to_tensor(ctx), longest
 
 
 # A decode group costs its padded key rows plus a fixed overhead worth about this many rows.
@@ -219,7 +247,10 @@ class Attention(nn.Layer):
 
             self.impl = HostAttention(num_heads, num_kv_heads, head_dim, self.scale)
         else:
-            self.impl = PaddleAttention(num_heads, num_kv_heads, head_dim, self.scale)
+            on_gpu = paddle.is_compiled_with_cuda() and paddle.get_device().startswith("gpu")
+            impl = select_attention_impl(on_gpu, compute_dtype(fd_config), os.environ.get(KERNELS_ENV, ""))
+            cls = KernelAttention if impl == "triton" else PaddleAttention
+            self.impl = cls(num_heads, num_kv_heads, head_dim, self.scale)
 
     def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, forward_meta,
                 output_only: bool = False) -> paddle.Tensor:
@@ -327,3 +358,37 @@ class PaddleAttention:
             out = paddle.matmul(probs, vals[:, :visible]).reshape([hkv, g, b - a, d])
             outs.append(out.transpose([2, 0, 1, 3]).reshape([b - a, hkv * g, d]))
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+
+class KernelAttention:
+    """The device backend's attention through the paged Triton kernels: decodes by ``paged_decode`` (split-KV,
+    a KV group's query heads together), prefill chunks by ``paged_prefill`` (their context read through the pages,
+    causal by position, no mask), both into one output. The step's tables come from the metadata (uploaded once
+    per step, shared by every layer); nothing is read back from the device."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        from fastdeploy_ext.ops.paged_attention import launcher
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self._decode, self._prefill = launcher.paged_decode, launcher.paged_prefill
+
+    def __call__(self, q, k, v, meta: AttentionMetadata, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
+        write_rows(k_cache, meta.slot_tensor, k)
+        write_rows(v_cache, meta.slot_tensor, v)
+        dtype = q.dtype
+        if output_only:
+            q = paddle.gather(q, meta.output_rows_tensor)
+        q = q.astype(k_cache.dtype).contiguous()
+        out = paddle.empty_like(q)
+        bs = meta.block_size
+        decodes = meta.outputs if output_only else meta.decodes if meta.num_decode else None
+        if decodes is not None:
+            table, lengths, longest = decodes.kernel_args
+            self._decode(q, k_cache, v_cache, table, lengths, scale=self.scale, page_size=bs, max_seq_len=longest,
+                         out=out)
+        if not output_only and meta.prefills:
+            table, cu, ctx, longest = meta.prefill_kernel_args
+            self._prefill(q, k_cache, v_cache, table, cu, ctx, scale=self.scale, page_size=bs, max_q_len=longest,
+                          out=out)
+        return out.reshape([q.shape[0], self.num_heads * self.head_dim]).astype(dtype)

@@ -81,17 +81,22 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     """``out[b, h] = softmax(scale * q[b, h] K_b^T) V_b`` over the ``seq_lens[b]`` tokens of sequence ``b`` (the
     current one included, already written to the cache); a length of 0 gives zeros.
 
-    ``q`` ``[B, Hq, D]`` float32, bfloat16 or float16; ``k_cache``/``v_cache`` ``[Hkv, num_pages * page_size, D]``
+    ``q`` ``[R, Hq, D]`` float32, bfloat16 or float16 with ``R >= B`` (rows ``[0, B)`` are the decodes: a step's
+    query rows, decodes first, go to :func:`paged_decode` and :func:`paged_prefill` as one tensor); ``k_cache``/``v_cache`` ``[Hkv, num_pages * page_size, D]``
     of q's dtype (``Hq`` a multiple of ``Hkv``); ``block_tables`` ``[B, max_pages]`` and ``seq_lens`` ``[B]``
     int32/int64: token ``p`` of sequence ``b`` is cache row ``block_tables[b, p // page_size] * page_size +
     p % page_size``. All contiguous on one CUDA device (or the CPU under ``TRITON_INTERPRET=1``), all torch or all
     Paddle. ``max_seq_len``: the longest ``seq_lens`` entry as a host int (sizes the split; default
-    ``max_pages * page_size``, which is never read back from the device). ``out`` ``[B, Hq, D]`` of q's dtype is
-    overwritten; returned."""
+    ``max_pages * page_size``, which is never read back from the device). ``out`` (q's shape and dtype): rows
+    ``[0, B)`` are overwritten, others left as they are; returned."""
     ops = _ops_for(q)
-    batch, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
+    rows, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
+    _check_tensor(ops, seq_lens, "seq_lens", q)
+    _check_index_vector(ops, seq_lens, "seq_lens", None, q)
+    batch = int(seq_lens.shape[0])
+    if batch > rows:
+        raise ValueError(f"seq_lens describes {batch} decodes but q has {rows} rows")
     max_pages = _check_table(ops, block_tables, batch, q)
-    _check_index_vector(ops, seq_lens, "seq_lens", batch, q)
     bound = max_pages * page_size
     max_len = bound if max_seq_len is None else int(max_seq_len)
     if max_len > bound:
@@ -209,8 +214,10 @@ def _check_table(ops, block_tables, batch, like):
 
 def _check_index_vector(ops, t, name, length, like):
     _check_tensor(ops, t, name, like)
-    if len(t.shape) != 1 or int(t.shape[0]) != length or _dtype_name(t) not in _INDEX_DTYPES:
-        raise ValueError(f"{name} must be int32/int64 [{length}], got {_dtype_name(t)} {list(t.shape)}")
+    if len(t.shape) != 1 or (length is not None and int(t.shape[0]) != length) or \
+            _dtype_name(t) not in _INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32/int64 [{'B' if length is None else length}], got {_dtype_name(t)} "
+                         f"{list(t.shape)}")
 
 
 def _check_out(ops, out, q):

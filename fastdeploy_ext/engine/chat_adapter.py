@@ -18,6 +18,9 @@ Errors are ``ValueError``s naming the message (``messages[i]...``), which the se
 from __future__ import annotations
 
 import json
+import logging
+
+logger = logging.getLogger(__name__)
 
 ADAPTERS = ("hf", "minimax_m1")
 
@@ -156,15 +159,20 @@ class ChatFormat:
         return GuidedDecodingParams(grammar=self.tool_parser.call_grammar(chosen, single=True))
 
     def parse(self, text: str, parse_tools: bool, reasoning_open: bool = False):
-        """``(reasoning_content, content, tool_calls)`` of a finished output (each None when absent)."""
-        reasoning, content = None, text
-        if self.reasoning_parser is not None:
-            reasoning, content = self.reasoning_parser.extract(text, reasoning_open)
-        calls = None
-        if parse_tools and self.tool_parser is not None and content:
-            content, found = self.tool_parser.extract(content)
-            calls = found or None
-        return reasoning, content, calls
+        """``(reasoning_content, content, tool_calls)`` of a finished output (each None when absent).
+        Never raises: a parser failure (a bug; the parsers are written not to) leaves the text as content."""
+        try:
+            reasoning, content = None, text
+            if self.reasoning_parser is not None:
+                reasoning, content = self.reasoning_parser.extract(text, reasoning_open)
+            calls = None
+            if parse_tools and self.tool_parser is not None and content:
+                content, found = self.tool_parser.extract(content)
+                calls = found or None
+            return reasoning, content, calls
+        except Exception:
+            logger.exception("output parsing failed; the output is returned as content")
+            return None, text or None, None
 
     def streaming(self, parse_tools: bool, reasoning_open: bool = False) -> "ChatStream":
         return ChatStream(self, parse_tools, reasoning_open)
@@ -178,12 +186,24 @@ class ChatStream:
         rp = fmt.reasoning_parser
         self._reasoning = rp.streaming(reasoning_open) if rp is not None else None
         self._tools = fmt.tool_parser.streaming() if parse_tools and fmt.tool_parser is not None else None
+        self._failed = False
 
     @property
     def num_calls(self) -> int:
         return self._tools.num_calls if self._tools is not None else 0
 
     def feed(self, text: str, final: bool = False) -> dict:
+        """The delta for ``text``; never raises (after a parser failure, a bug, the rest streams as content)."""
+        if self._failed:
+            return {"content": text} if text else {}
+        try:
+            return self._feed(text, final)
+        except Exception:
+            logger.exception("streamed output parsing failed; the rest of the output streams as content")
+            self._failed = True
+            return {"content": text} if text else {}
+
+    def _feed(self, text: str, final: bool) -> dict:
         reasoning, content = "", text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.feed(text)

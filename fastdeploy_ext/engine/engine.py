@@ -30,8 +30,8 @@ from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
 from fastdeploy_ext.engine.request import Request
-from fastdeploy_ext.engine.guided_decoding import GuidedDecoder, unpack_bitmask
-from fastdeploy_ext.engine.sampler import apply_logit_bias, log_softmax, sample_token, top_logprobs
+from fastdeploy_ext.engine.guided_decoding import GuidedDecoder
+from fastdeploy_ext.engine.sampler import SampleRow, log_softmax, make_sampler, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.engine.stop_strings import StopMatcher
@@ -321,6 +321,9 @@ class LLMEngine:
             self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = Scheduler(self.fd_config.scheduler_config, self.block_manager, state_slots, prefix_cache)
         self.vocab_size = model_config.vocab_size
+        # The batched sampler: on the device for the device backend on a GPU (the runner then keeps the rows
+        # there), else on the host.
+        self.sampler = make_sampler(self.fd_config)
         self._rng = np.random.default_rng(args.seed)
         self._arrivals = 0
         self._requests: dict[str, Request] = {}
@@ -423,6 +426,7 @@ class LLMEngine:
             self._arrivals += 1
             seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
             req.generator = np.random.default_rng(seed)
+            req.device_seed = seed  # the device sampler's counter-based generator is keyed by it
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
             if matcher is not None:
                 req.matcher = matcher if k == 0 else matcher.deep_copy()
@@ -525,8 +529,9 @@ class LLMEngine:
         return touched
 
     def _sample(self, pairs: list) -> None:
-        """Sample one token for each ``(request, raw logits row)``. The masks of all grammar-constrained
-        requests are computed together: one parallel llguidance fill, one unpacking pass for the batch."""
+        """Sample one token for each ``(request, raw logits row)`` in one call of the batched sampler. The masks of
+        all grammar-constrained requests are computed together (one parallel llguidance fill) and go to the sampler
+        packed, as llguidance writes them."""
         live = []
         for req, row in pairs:
             if req.is_finished:
@@ -535,24 +540,50 @@ class LLMEngine:
                 self._finish(req, "length")
                 continue
             live.append((req, row))
-        masks = {}
+        masks, bitmask = {}, None
         guided = [req for req, _ in live if req.matcher is not None]
         if guided:
             try:
-                allowed = unpack_bitmask(self.guided.fill_bitmask([req.matcher for req in guided]), self.vocab_size)
-                masks = {req.request_id: allowed[j] for j, req in enumerate(guided)}
+                bitmask = self.guided.fill_bitmask([req.matcher for req in guided])
+                masks = {req.request_id: j for j, req in enumerate(guided)}
             except Exception as e:
                 logger.exception("guided decoding mask failed")
                 for req in guided:
                     self._finish(req, "error", f"guided decoding: {type(e).__name__}: {e}")
+        batch, rows, specs = [], [], []
         for req, row in live:
             if req.is_finished:
                 continue
             try:
-                self._append_token(req, row, masks.get(req.request_id))
+                specs.append(self._sample_row(req, bitmask, masks.get(req.request_id)))
+                batch.append(req)
+                rows.append(row)
             except Exception as e:
                 logger.exception("request %s failed", req.request_id)
                 self._finish(req, "error", f"{type(e).__name__}: {e}")
+        if not batch:
+            return
+        result = self.sampler.sample(rows, specs, bitmask)
+        for j, req in enumerate(batch):
+            try:
+                if result.errors[j] is not None:
+                    raise result.errors[j]
+                self._append_token(req, int(result.token_ids[j]), result.logprobs[j])
+            except Exception as e:
+                logger.exception("request %s failed", req.request_id)
+                self._finish(req, "error", f"{type(e).__name__}: {e}")
+
+    def _sample_row(self, req: Request, bitmask, mask_row: int | None) -> SampleRow:
+        """What the sampler needs of ``req``: the ids it may not produce now and its grammar's mask row."""
+        params = req.params
+        banned = list(params.bad_words_token_ids or [])
+        if len(req.output_token_ids) < params.min_tokens and req.matcher is None:
+            # With a grammar, the grammar decides when the output may end.
+            banned += self.eos_token_ids + params.stop_token_ids
+        if req.matcher is not None and (mask_row is None or not bitmask[mask_row].any()):
+            raise ValueError(f"the grammar allows no token here ({req.matcher.get_error() or 'no continuation'})")
+        return SampleRow(params, req.prompt_token_ids, req.output_token_ids, req.generator, banned, mask_row,
+                         seed=req.device_seed, position=len(req.output_token_ids))
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: np.ndarray) -> None:
         k = req.params.prompt_logprobs
@@ -565,27 +596,16 @@ class LLMEngine:
             if nxt < len(prompt):
                 req.prompt_logprobs.append(top_logprobs(lps[i], k, prompt[nxt]))
 
-    def _append_token(self, req: Request, row: np.ndarray, allowed: np.ndarray | None = None) -> None:
-        """Sample from ``row`` with the logit bias, among the ``allowed`` tokens of a grammar's mask; reported
-        logprobs are those of the raw ``row``."""
+    def _append_token(self, req: Request, token: int, logprobs: dict | None) -> None:
+        """Append the sampled ``token`` (and its reported ``logprobs``, those of the raw logits row)."""
         params = req.params
-        if np.isnan(row).any():
-            raise FloatingPointError("logits contain NaN")
-        banned = list(params.bad_words_token_ids or [])
-        if len(req.output_token_ids) < params.min_tokens and req.matcher is None:
-            # With a grammar, the grammar decides when the output may end.
-            banned += self.eos_token_ids + params.stop_token_ids
-        if req.matcher is not None and (allowed is None or not allowed.any()):
-            raise ValueError(f"the grammar allows no token here ({req.matcher.get_error() or 'no continuation'})")
-        token = sample_token(apply_logit_bias(row, params.logit_bias), params, req.prompt_token_ids,
-                             req.output_token_ids, req.generator, banned, allowed)
         if req.matcher is not None and not req.matcher.consume_token(token):
             raise ValueError(f"guided decoding rejected token {token}: {req.matcher.get_error()}")
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
         req.output_token_ids.append(token)
         if params.logprobs is not None:
-            req.output_logprobs.append(top_logprobs(log_softmax(row[None])[0], params.logprobs, token))
+            req.output_logprobs.append(logprobs)
         checked = len(req.output_text)
         req.output_text += req.detokenizer.add(token)
 

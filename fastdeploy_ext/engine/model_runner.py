@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from fastdeploy_ext.engine.sampler import DeviceRow, device_sampling
 from fastdeploy_ext.engine.scheduler import ScheduledSeq
 from fastdeploy_ext.layers.backend import AttentionBackend
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
@@ -16,8 +17,9 @@ from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 @dataclass
 class StepLogits:
-    """Per scheduled sequence (in the caller's order): the logits row to sample from (or None) and
-    the logits rows for prompt positions ``[first_pos, first_pos + n)`` (or None)."""
+    """Per scheduled sequence (in the caller's order): the logits row to sample from (or None; a
+    :class:`DeviceRow` when sampling on the device) and the logits rows for prompt positions
+    ``[first_pos, first_pos + n)`` (or None)."""
 
     sample: list
     prompt: list
@@ -32,6 +34,7 @@ class ModelRunner:
         rows = num_kv_blocks * self.block_size
         dtype = fd_config.load_config.dtype
         self.backend = AttentionBackend(fd_config)
+        self.sample_on_device = device_sampling(fd_config)
         # Per softmax-attention layer: key and value pages, [kv_heads, num_blocks * block_size, head_dim].
         self.caches = [
             (paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype), paddle.zeros([s.num_kv_heads, rows, s.head_dim], dtype))
@@ -172,16 +175,21 @@ class ModelRunner:
         if saves:
             self.backend.copy_state(self.state_pool, [a for a, _ in saves], [b for _, b in saves])
 
-        logits = None
+        logits = device_logits = None
         if rows:
             if output_rows is None and not every_row:
                 hidden = paddle.gather(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))
-            logits = self.model.compute_logits(hidden).numpy()
+            logits = self.model.compute_logits(hidden)
+            if self.sample_on_device:
+                # The sampler reads the rows where they are; only a step with prompt logprobs copies them out.
+                device_logits, logits = logits, (logits.numpy() if prompt_at else None)
+            else:
+                logits = logits.numpy()
 
         sample, prompt = [None] * len(seqs), [None] * len(seqs)
         for b, i in enumerate(order):
             if b in sample_at:
-                sample[i] = logits[sample_at[b]]
+                sample[i] = logits[sample_at[b]] if device_logits is None else DeviceRow(device_logits, sample_at[b])
             if b in prompt_at:
                 r, n = prompt_at[b]
                 prompt[i] = logits[r:r + n]

@@ -194,19 +194,19 @@ def test_bad_input_names_the_problem(tiny_qwen2_dir):
 
 
 def test_failing_request_does_not_take_down_others(tiny_qwen2_dir, monkeypatch):
-    from fastdeploy_ext.engine import engine as engine_mod
+    from fastdeploy_ext.engine import sampler as sampler_mod
 
     llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_prefix_caching=False)
     prompts = prompts_of([6, 9, 4], 310)
     poisoned = 777
-    real = engine_mod.sample_token
+    real = sampler_mod._sample_row
 
-    def sample(logits, params, prompt_ids, output_ids, generator, banned, allowed=None):
-        if params.seed == poisoned:
+    def sample(row, spec, bitmask):
+        if spec.params.seed == poisoned:
             raise RuntimeError("sampler blew up")
-        return real(logits, params, prompt_ids, output_ids, generator, banned, allowed)
+        return real(row, spec, bitmask)
 
-    monkeypatch.setattr(engine_mod, "sample_token", sample)
+    monkeypatch.setattr(sampler_mod, "_sample_row", sample)
     params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=poisoned, max_tokens=5),
               SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]

@@ -29,6 +29,7 @@ def check_greedy_against_oracle(generate_fn, oracle_fn, prompt_ids, max_tokens, 
     produced, ties, worst = 0, 0, 0.0
     while produced < max_tokens:
         tokens, lps = generate_fn(prefix, max_tokens - produced)
+        assert lps is not None and len(lps) == len(tokens), "generate_fn must return one logprob dict per token"
         ref = oracle_fn(prefix + tokens)
         base = len(prefix) - 1
         diverged = False
@@ -77,6 +78,7 @@ def assert_same_outputs(outs, refs, atol=1e-5):
         assert o.outputs.finish_reason == r.outputs.finish_reason, (o.outputs.finish_reason, o.outputs.error_msg)
         assert r.outputs.finish_reason in ("stop", "length"), (r.outputs.finish_reason, r.outputs.error_msg)
         assert o.outputs.token_ids == r.outputs.token_ids and len(r.outputs.token_ids) > 0
+        assert (o.outputs.logprobs is None) == (r.outputs.logprobs is None)
         if r.outputs.logprobs is not None:
             assert len(o.outputs.logprobs) == len(r.outputs.logprobs) == len(r.outputs.token_ids)
         if r.prompt_logprobs is not None:
@@ -132,11 +134,15 @@ def check_outputs_against_oracle(outs, oracle_fn, atol, greedy=True):
     ``oracle_fn(ids)`` -> log-softmax rows ``[len(ids), V]``. Returns (max |logprob diff|, number of near-ties).
     """
     worst, ties = 0.0, 0
+    assert outs, "no outputs to compare"
     for o in outs:
         prompt, gen = list(o.prompt_token_ids), list(o.outputs.token_ids)
+        # Without logprobs the loop below would compare nothing, greedy tokens included: a caller's mistake.
+        assert gen and o.outputs.logprobs is not None and len(o.outputs.logprobs) == len(gen), (
+            f"{o.request_id}: {len(gen)} tokens, logprobs {o.outputs.logprobs is not None}: request logprobs")
         ref = oracle_fn(prompt + gen)
         base = len(prompt) - 1
-        for i, (tok, lp) in enumerate(zip(gen, o.outputs.logprobs or [])):
+        for i, (tok, lp) in enumerate(zip(gen, o.outputs.logprobs)):
             row = ref[base + i]
             for t, v in lp.items():
                 d = abs(v - float(row[t]))

@@ -158,6 +158,11 @@ class DistributedRunner:
         self.shutdown(graceful=False)
         raise RankFailure(f"tensor-parallel rank {rank} failed during {what}: {detail} (log: {self._log_of(rank)})")
 
+    @property
+    def heartbeats(self) -> dict[int, int]:
+        """Heartbeats received so far from each rank."""
+        return dict(self._monitor.beats) if self._monitor is not None else {}
+
     def _fail_monitor(self, what: str):
         message, rank = self.failure, self._monitor.failed_rank
         self.shutdown(graceful=False)

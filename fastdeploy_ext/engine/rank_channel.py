@@ -116,6 +116,7 @@ class HeartbeatMonitor:
         self._conns = dict(conns)
         self._pids = pids
         self._last = {rank: time.monotonic() for rank in conns}
+        self.beats = {rank: 0 for rank in conns}  # beats received per rank (health reports, tests)
         self._stop = threading.Event()
         self._armed = False
         self._thread = threading.Thread(target=self._run, name="rank-heartbeat-monitor", daemon=True)
@@ -134,6 +135,7 @@ class HeartbeatMonitor:
                 try:
                     while conn.poll():
                         conn.recv_bytes()
+                        self.beats[rank] += 1
                     self._last[rank] = time.monotonic()
                 except (EOFError, OSError):
                     del by_conn[conn]

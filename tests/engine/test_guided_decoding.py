@@ -67,10 +67,12 @@ def test_constrained_outputs_validate(llm, kind):
     outs = llm.generate(["hello world", "the music of the day"], sampled(seed=3, n=3, guided_decoding=gd),
                         use_tqdm=False)
     assert len(outs) == 6
+    checked = 0
     for out in outs:
         text = out.outputs.text
         if kind == "json_object" and out.outputs.finish_reason == "length":
             continue  # any object: unbounded strings may run out of tokens (docs/deployment.md)
+        checked += 1
         assert out.outputs.finish_reason == "stop", text
         if kind == "json":
             jsonschema.validate(json.loads(text), SCHEMA)
@@ -82,6 +84,8 @@ def test_constrained_outputs_validate(llm, kind):
             assert text in ("yes", "no", "maybe so")
         else:
             assert re.fullmatch(GRAMMAR_RE, text), text
+    # The length-cut json_object outputs are skipped above, so a minimum of them must still be validated.
+    assert checked >= (2 if kind == "json_object" else 6), f"only {checked} of 6 outputs finished and were validated"
 
 
 def test_stop_string_ends_output_mid_json(llm):

@@ -9,7 +9,6 @@ import signal
 import socket
 import struct
 import threading
-import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
@@ -131,32 +130,33 @@ def test_stopped_rank_is_named_by_its_heartbeat(tiny):
     llm = LLM(model=tiny, max_model_len=128, tensor_parallel_size=2, rank_heartbeat_timeout_s=5)
     runner = llm.llm_engine.runner
     os.kill(runner.rank_pids[1], signal.SIGSTOP)
-    start = time.monotonic()
-    # Rank 0 waits inside a collective for rank 1; its heartbeat goes on, rank 1's stops.
-    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) sent no heartbeat for 5\.\d s"):
+    # Rank 0 waits inside a collective for rank 1; its heartbeat goes on, rank 1's stops. The message's own
+    # silence (measured by the monitor) is the verdict: at least the 5 s timeout, never a wall clock here.
+    with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+\) sent no heartbeat for (5|6|7|8|9|\d\d+)\.\d s"):
         llm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert 5 <= time.monotonic() - start < 30
     assert runner.failure.startswith("tensor-parallel rank 1 ")
     assert all(process_gone(pid) for pid in runner.rank_pids.values())
 
 
 @pytest.mark.timeout(600)
 def test_a_long_step_keeps_the_heartbeat(tmp_path):
-    """One 8000-token prefill through 16 layers takes well over 2x the 2 s timeout on two cores (4 layers took
-    2.8-10 s on the shared box): Paddle's kernels and gloo release the GIL, so the ranks' heartbeat threads keep
-    beating. The step is meant to be slow, and slower on a busy machine (111 s beside two busy loops), so it
-    gets its own timeout rather than the suite's 120 s."""
+    """One 8000-token prefill through 16 layers (about 2 TFLOP, one thread per rank: well over 2x the 2 s timeout
+    on any CPU) with Paddle's kernels and gloo releasing the GIL, so the ranks' heartbeat threads keep beating.
+    The verdict is the heartbeats the monitor counted while the step ran, not a clock. The step is slower on a busy
+    machine (111 s beside two busy loops), so it gets its own timeout rather than the suite's 120 s."""
     d = str(tmp_path / "wide")
     write_tiny("Qwen2ForCausalLM", d, seed=0, hidden_size=512, intermediate_size=2048, num_hidden_layers=16,
                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
     with LLM(model=d, max_model_len=8192, tensor_parallel_size=2, max_num_batched_tokens=8192, num_threads=1,
              rank_heartbeat_timeout_s=2) as llm:
-        start = time.monotonic()
+        runner = llm.llm_engine.runner
+        before = runner.heartbeats
         out = llm.generate([{"prompt_token_ids": [(i * 7) % 500 for i in range(8000)]}],
                            SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-        took = time.monotonic() - start
-        assert out[0].outputs.finish_reason == "length" and llm.llm_engine.runner.failure is None
-    assert took > 2 * 2, f"the step took {took:.1f} s: too short to show anything"
+        during = {rank: n - before[rank] for rank, n in runner.heartbeats.items()}
+        assert out[0].outputs.finish_reason == "length" and runner.failure is None
+    # More beats than the timeout holds: the step outlasted it and the beats went on meanwhile.
+    assert sorted(during) == [0, 1] and min(during.values()) > 2, during
 
 
 def test_distributed_does_not_import_the_engine():

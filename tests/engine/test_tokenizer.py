@@ -84,9 +84,7 @@ def hf(tiny):
 
 
 def test_write_tiny_tokenizer_deterministic(tmp_path):
-    start = time.perf_counter()
     info = write_tiny_tokenizer(tmp_path / "a", seed=3)
-    assert time.perf_counter() - start < 2.0
     write_tiny_tokenizer(tmp_path / "b", seed=3)
     write_tiny_tokenizer(tmp_path / "c", seed=4)
     # A fresh interpreter with another hash seed must reproduce the same bytes.

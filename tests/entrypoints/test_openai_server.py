@@ -130,11 +130,9 @@ def test_32_concurrent_clients_match_solo_results(server, offline):
     async def run():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         calls = [aclient.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0) for p in prompts]
-        return await asyncio.wait_for(asyncio.gather(*calls), timeout=60)
+        return await asyncio.wait_for(asyncio.gather(*calls), timeout=100)  # a bound on the wait, not a verdict
 
-    start = time.monotonic()
     outs = asyncio.run(run())
-    assert time.monotonic() - start < 60
     assert [o.choices[0].text for o in outs] == [r.outputs.text for r in refs]
     assert server.metrics()["fastdeploy_ext_num_requests_pending"] == 0
 
@@ -210,12 +208,14 @@ def test_overload_is_429_and_server_survives(server, client):
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
             return await asyncio.gather(*[http.post(server.url + "/v1/completions", json=body) for _ in range(64)])
 
+    before = server.metrics()["fastdeploy_ext_requests_rejected_total"]
     responses = asyncio.run(run())
     codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 429} and codes.count(429) >= 16
+    # How many arrive while 48 are pending depends on the engine's speed; test_overload_is_429_while_the_engine_is
+    # _held pins the count. Here: nothing but 200s and 429s, each 429 counted and told when to retry.
+    assert set(codes) <= {200, 429} and 200 in codes
     assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
-    rejected = [r for r in codes if r == 429]
-    assert server.metrics()["fastdeploy_ext_requests_rejected_total"] >= len(rejected)
+    assert server.metrics()["fastdeploy_ext_requests_rejected_total"] - before == codes.count(429)
     assert httpx.get(server.url + "/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices[0].finish_reason == "length"
 
@@ -319,6 +319,48 @@ def test_streaming_delivers_each_step_before_the_next_runs(inprocess_server):
         engine.step = real_step
         gate.release(100)
     assert wait_for(lambda: not engine.has_unfinished_requests())
+
+
+def rejected_total(url, headers) -> float:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith("fastdeploy_ext_requests_rejected_total"))
+                 .rsplit(" ", 1)[1])
+
+
+def test_overload_is_429_while_the_engine_is_held(inprocess_server):
+    """With the engine held (its step waits on a semaphore), exactly the requests past the pending limit are 429s,
+    and the admitted ones finish once it runs again: counts, not timing."""
+    url, engine, app_server = inprocess_server
+    gate, real_step, limit = threading.Semaphore(0), engine.step, 4
+
+    def gated_step():
+        gate.acquire()
+        return real_step()
+
+    engine.step = gated_step
+    app_server.loop.max_pending_requests = limit
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    headers = {"authorization": "Bearer k"}
+    admitted = []
+    try:
+        threads = [threading.Thread(target=lambda: admitted.append(httpx.post(
+            url + "/v1/completions", json=body, headers=headers, timeout=100))) for _ in range(limit)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: app_server.loop.num_pending == limit, timeout=60)
+        before = rejected_total(url, headers)
+        over = [httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60) for _ in range(3)]
+        assert [r.status_code for r in over] == [429] * 3
+        assert all(r.headers.get("retry-after") == "1" and f"{limit} sequences pending (limit {limit})" in r.text
+                   for r in over)
+        assert rejected_total(url, headers) - before == 3
+    finally:
+        engine.step = real_step
+        gate.release(10**6)
+    for t in threads:
+        t.join(timeout=100)
+    assert [r.status_code for r in admitted] == [200] * limit
+    assert wait_for(lambda: app_server.loop.num_pending == 0)
 
 
 def test_server_log_summary_stats_and_rejections(server, client):

@@ -20,8 +20,8 @@ from tests.layers.test_dasheng_encoder import import_dasheng
 from tests.oracle import assert_same_outputs as assert_same
 from tests.oracle import check_greedy_against_oracle
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch
+import transformers  # noqa: F401  (the test extra installs it; missing = a failed install)
 
 from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
 from fastdeploy_ext.config.base import ConfigError  # noqa: E402
@@ -278,7 +278,11 @@ def test_missing_tie_key_needs_a_stored_head(tiny_dir, tmp_path):
         cfg["text_config"].pop("tie_word_embeddings")
 
     untied = LLM(model=_variant(tiny_dir, str(tmp_path / "with_head"), config_edit=drop_tie))
-    assert untied.llm_engine.model.decoder.lm_head is not None
+    stored = _tensors(tiny_dir)
+    head = untied.llm_engine.model.decoder.lm_head.linear.weight.numpy()
+    want = stored["decoder.lm_head.weight"]
+    assert not np.array_equal(want, stored["decoder.model.embed_tokens.weight"])  # a tie would hide a wrong source
+    np.testing.assert_array_equal(head if head.shape == want.shape else head.T, want)
     no_head = {k: v for k, v in _tensors(tiny_dir).items() if k != "decoder.lm_head.weight"}
     with pytest.raises(WeightLoadError, match="tie_word_embeddings nowhere"):
         LLM(model=_variant(tiny_dir, str(tmp_path / "without_head"), no_head, drop_tie))
@@ -307,5 +311,13 @@ def test_make_tiny_cli(tmp_path):
     assert main(["make-tiny", "--arch", "MiDashengLMModel", "--out", str(tmp_path / "cli")]) == 0
     cfg = json.load(open(tmp_path / "cli" / "config.json"))
     assert cfg["architectures"] == ["MiDashengLMModel"] and cfg["audio_encoder_config"]["target_length"] == 64
-    assert isinstance(LLM(model=str(tmp_path / "cli")).llm_engine.model, MiDashengLMModel)
+    # The same checkpoint the API writes with the CLI's default seed, byte for byte.
+    write_tiny("MiDashengLMModel", str(tmp_path / "api"), seed=0)
+    for name in sorted(os.listdir(tmp_path / "api")):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "api" / name).read_bytes(), name
+    llm = LLM(model=str(tmp_path / "cli"))
+    assert isinstance(llm.llm_engine.model, MiDashengLMModel)
+    out = llm.generate({"prompt": chat_prompt(), "multimodal_data": {"audio": [clip(1.0, 42)]}},
+                       SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert out.error_code == 200 and len(out.outputs.token_ids) == 2
 

@@ -36,7 +36,8 @@ def test_greedy_and_logprobs_match_hf(engine_and_oracle, length, seed):
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, llm.llm_engine.vocab_size, size=length).tolist()
     produced, ties, worst = check_greedy_against_oracle(greedy_fn(llm), lambda ids: hf_logprobs(hf, ids), prompt, 32)
-    assert produced == 32
+    # These seeds meet no near-tie (oracle top-2 gap < 1e-4): every token is compared as the engine's own choice.
+    assert produced == 32 and ties == 0
     assert worst <= 1e-4
 
 

@@ -55,7 +55,8 @@ GENERATE_MISTAKES = {
     "unknown_flag": (["--prompt", "hi", "--temprature", "1"], "unrecognized arguments: --temprature"),
     "bad_choice": (["--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     "top_p_above_one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p: must be in [0, 1]"),
-    "bf16_on_cpu": (["--prompt", "hi", "--dtype", "bfloat16"], "Paddle on CPU computes in float32 and float64"),
+    "bf16_on_cpu": (["--prompt", "hi", "--dtype", "bfloat16", "--device", "cpu"],
+                    "Paddle on CPU computes in float32 and float64"),
     "tp_not_dividing": (["--prompt", "hi", "--tensor-parallel-size", "3"], "not divisible by 3"),
     "audio_for_text_model": (["--prompt", "hi", "--audio", "clip.wav"], "--audio: Qwen2ForCausalLM takes text only"),
 }

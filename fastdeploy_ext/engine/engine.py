@@ -336,6 +336,7 @@ class LLMEngine:
         reasoning = resolve_reasoning_parser(args.reasoning_parser, type(self.model).name())
         self.reasoning_parser = get_reasoning_parser(reasoning) if reasoning is not None else None
         self._guided: GuidedDecoder | None = None
+        self.guided_options: dict = {}  # GuidedDecoder's compile budget (the server sets its flags here)
 
     @property
     def guided(self) -> GuidedDecoder:
@@ -345,7 +346,7 @@ class LLMEngine:
             specials = {self.tokenizer.id_to_token(i): i for i in self.tokenizer.all_special_ids}
             self._guided = GuidedDecoder(self.tokenizer.to_json_str(), self.vocab_size, self.eos_token_ids,
                                          think_tags=(rp.start_tag, rp.end_tag) if rp is not None else None,
-                                         special_ids=specials, num_threads=host_threads())
+                                         special_ids=specials, num_threads=host_threads(), **self.guided_options)
         return self._guided
 
     def reasoning_open(self, token_ids: list[int]) -> bool:
@@ -362,6 +363,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel rank processes (no-op at tp == 1)."""
+        if self._guided is not None:
+            self._guided.close()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -546,6 +549,12 @@ class LLMEngine:
             try:
                 bitmask = self.guided.fill_bitmask([req.matcher for req in guided])
                 masks = {req.request_id: j for j, req in enumerate(guided)}
+                for req in guided:
+                    # Over the per-step mask budget (llguidance's limits): the mask of an errored matcher
+                    # allows only EOS, which would end the request as if the grammar were complete.
+                    if req.matcher.is_error():
+                        why = req.matcher.get_error().split("\n", 1)[0][:300]
+                        self._finish(req, "error", f"guided decoding: {why}")
             except Exception as e:
                 logger.exception("guided decoding mask failed")
                 for req in guided:
@@ -581,7 +590,8 @@ class LLMEngine:
             # With a grammar, the grammar decides when the output may end.
             banned += self.eos_token_ids + params.stop_token_ids
         if req.matcher is not None and (mask_row is None or not bitmask[mask_row].any()):
-            raise ValueError(f"the grammar allows no token here ({req.matcher.get_error() or 'no continuation'})")
+            raise ValueError(f"guided decoding: the grammar allows no token here "
+                             f"({req.matcher.get_error().split(chr(10), 1)[0][:300] or 'no continuation'})")
         return SampleRow(params, req.prompt_token_ids, req.output_token_ids, req.generator, banned, mask_row,
                          seed=req.device_seed, position=len(req.output_token_ids))
 
@@ -600,7 +610,8 @@ class LLMEngine:
         """Append the sampled ``token`` (and its reported ``logprobs``, those of the raw logits row)."""
         params = req.params
         if req.matcher is not None and not req.matcher.consume_token(token):
-            raise ValueError(f"guided decoding rejected token {token}: {req.matcher.get_error()}")
+            why = req.matcher.get_error().split("\n", 1)[0][:300]
+            raise ValueError(f"guided decoding rejected token {token}: {why}")
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.time()
         req.output_token_ids.append(token)

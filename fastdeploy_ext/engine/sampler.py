@@ -37,6 +37,8 @@ _DRAW_BLOCK = 1024  # the draw's two-level cumulative sum
 _SUBSET_FRACTION = 1 / 16
 # Candidate sets up to this size are sorted outright (0.1 ms at 4096); larger ones go through the mass histogram.
 _SORT_LIMIT = 4096
+# A histogram-selected set above this fraction of the vocabulary stays a zeroed copy of e, not a list of ids.
+_DENSE_FRACTION = 1 / 8
 
 
 def _accum(logits: np.ndarray) -> np.dtype:
@@ -370,7 +372,7 @@ def _top_p(e: np.ndarray, cand: np.ndarray | None, top_p: float) -> np.ndarray |
     cut = min(int(np.searchsorted(cum, target)) + 1, edge.size)
     kept_edge = edge[order[:cut]]
     above = np.flatnonzero(keys > b)
-    if above.size + kept_edge.size <= e.size // 8:
+    if above.size + kept_edge.size <= e.size * _DENSE_FRACTION:
         return np.sort(np.concatenate([above, kept_edge]))
     dropped = np.ones(e.size, bool)
     dropped[above] = False

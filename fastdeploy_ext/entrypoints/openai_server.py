@@ -53,7 +53,8 @@ from fastdeploy_ext.engine.template_sandbox import (
     TemplateWorkers,
     undeclared_variables,
 )
-from fastdeploy_ext.entrypoints.request_features import grammar_error, guided_params_of, logit_bias_of, tools_of
+from fastdeploy_ext.entrypoints.request_features import (generation_error, grammar_error, guided_params_of,
+                                                         logit_bias_of, tools_of)
 
 logger = logging.getLogger("fastdeploy_ext.server")
 
@@ -373,6 +374,8 @@ class OpenAIServer:
 
         self.engine = engine
         self.limits = (limits or ServerLimits()).resolved(engine.max_model_len)
+        engine.guided_options.update(compile_timeout_s=self.limits.guided_compile_timeout_s,
+                                     compile_memory_bytes=self.limits.guided_compile_memory_mb << 20)
         self._templates = (TemplateWorkers(timeout_s=self.limits.template_timeout_s)
                            if self.limits.trust_request_chat_template else None)
         # Work done for requests, for /metrics (and for tests: a refused request must add nothing here).
@@ -746,7 +749,7 @@ class OpenAIServer:
         sub_ids = [f"{rid}-{i}" for i in range(len(prompts))]
         state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts), n)
         ctx = _RequestContext(req, kind, k, prompts, n, tools, tool_choice,
-                              [self.engine.reasoning_open(ids) for _, ids, _ in prompts])
+                              [self.engine.reasoning_open(ids) for _, ids, _ in prompts], guided_field)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = self._stream(http_request, q, rid, ctx, state, include_usage=include_usage, sub_ids=sub_ids)
@@ -765,7 +768,7 @@ class OpenAIServer:
             self._release(state, sub_ids)
         errors = [e for e in state.errors if e]
         if errors:
-            raise APIError(500, f"generation failed: {errors[0]}", "internal_server_error")
+            raise generation_error(errors[0], guided_field)
         return JSONResponse(self._full_response(rid, ctx, state))
 
     def _cap_max_tokens(self, max_tokens: int | None, field: str, default: int | None = None) -> int | None:
@@ -873,7 +876,7 @@ class OpenAIServer:
                 first = not state.seen[i]
                 delta = state.absorb(upd)
                 if upd.error:
-                    err = APIError(500, f"generation failed: {upd.error}", "internal_server_error")
+                    err = generation_error(upd.error, ctx.guided_field)
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 extras = self._extras(ctx, state, i) if first and ctx.req.prompt_logprobs is not None else {}
@@ -1088,6 +1091,7 @@ class _RequestContext:
     tools: list | None
     tool_choice: object
     opened: list
+    guided_field: str | None = None
 
     @property
     def parse_tools(self) -> bool:

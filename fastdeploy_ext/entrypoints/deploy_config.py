@@ -93,7 +93,13 @@ class DeployConfig:
     max_pending_requests: int = 256
     trust_request_chat_template: bool = False
     template_timeout_s: float = 5.0
+    guided_compile_timeout_s: float = 10.0
+    guided_compile_memory_mb: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int | None = None
     max_audio_seconds: float = 300.0
+    max_request_audio_seconds: float | None = None
     max_request_bytes: int | None = None
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16
@@ -101,6 +107,7 @@ class DeployConfig:
     max_tokens_limit: int | None = None
     rank_heartbeat_timeout_s: float = 30.0
     stats_interval: float = 10.0
+    drain_timeout_s: float = 5.0
     tool_call_parser: str | None = None
     reasoning_parser: str | None = "auto"
     chat_template: str | None = None
@@ -202,7 +209,21 @@ _SCHEMA = {
     "trust_request_chat_template": ((bool,), None, "Render chat templates that clients send (in a worker that is "
                                     "killed after template_timeout_s); off: such requests get 400."),
     "template_timeout_s": ((float, int), _positive_float, "Seconds a client's chat template may take to render."),
+    "guided_compile_timeout_s": ((float, int), _positive_float, "Seconds a structured-output grammar may take to "
+                                 "compile and fill its first mask (in a compile worker process, killed past it)."),
+    "guided_compile_memory_mb": ((int,), _positive, "Memory in MiB a grammar's compile worker may add for one "
+                                 "grammar."),
+    "header_timeout_s": ((float, int), _positive_float, "Seconds a connection may take to send a request's headers "
+                         "(and may stay idle between requests); then it is closed."),
+    "body_timeout_s": ((float, int), _positive_float, "Seconds a request body may pause between two reads; then "
+                       "the request gets 408."),
+    "max_connections": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
+                        "Open connections accepted at once; more are closed at once. Default: the open-file limit "
+                        "minus 256 (at most 10000)."),
     "max_audio_seconds": ((float, int), _positive_float, "Longest audio clip a content part may hold, in seconds."),
+    "max_request_audio_seconds": ((float, int, type(None)), lambda v: None if v is None or v > 0 else "must be > 0",
+                                  "Audio seconds all parts of one request may hold together (checked from the "
+                                  "headers before decoding); default: max_audio_seconds."),
     "max_request_bytes": ((int, type(None)), lambda v: None if v is None or v >= 1024 else "must be >= 1024",
                           "Largest request body in bytes; default: the base64 of max_audio_seconds of 48 kHz stereo "
                           "PCM16."),
@@ -217,6 +238,9 @@ _SCHEMA = {
                                  "Seconds a tensor-parallel rank may go silent before the engine fails."),
     "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
                        "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
+    "drain_timeout_s": ((float, int), lambda v: None if v >= 0 else "must be >= 0",
+                        "Seconds requests in flight may run on after SIGINT/SIGTERM before they are ended with "
+                        "finish_reason 'abort'; the server then exits 0."),
     "tool_call_parser": ((str, type(None)), lambda v: _known(v, "tool"),
                          "Tool-call syntax the server reads from the model's output (minimax_m1, qwen2); default: "
                          "the architecture's."),
@@ -228,10 +252,12 @@ _SCHEMA = {
 }
 # Fields only a running server reads (the memory plan does not depend on them): `plan` does not offer them as flags.
 SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
-                 "trust_request_chat_template", "template_timeout_s", "max_audio_seconds", "max_request_bytes",
+                 "trust_request_chat_template", "template_timeout_s", "guided_compile_timeout_s",
+                 "guided_compile_memory_mb", "header_timeout_s", "body_timeout_s", "max_connections",
+                 "max_request_audio_seconds", "max_audio_seconds", "max_request_bytes",
                  "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
-                 "rank_heartbeat_timeout_s", "stats_interval", "tool_call_parser", "reasoning_parser",
-                 "chat_template", "seed")
+                 "rank_heartbeat_timeout_s", "stats_interval", "drain_timeout_s", "tool_call_parser",
+                 "reasoning_parser", "chat_template", "seed")
 CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
 
 
@@ -356,4 +382,10 @@ def server_limits(cfg: DeployConfig):
                         max_prompt_chars=cfg.max_prompt_chars, max_stop_strings=cfg.max_stop_strings,
                         max_stop_chars=cfg.max_stop_chars, max_tokens_limit=cfg.max_tokens_limit,
                         trust_request_chat_template=cfg.trust_request_chat_template,
-                        template_timeout_s=float(cfg.template_timeout_s))
+                        template_timeout_s=float(cfg.template_timeout_s),
+                        guided_compile_timeout_s=float(cfg.guided_compile_timeout_s),
+                        guided_compile_memory_mb=cfg.guided_compile_memory_mb,
+                        header_timeout_s=float(cfg.header_timeout_s), body_timeout_s=float(cfg.body_timeout_s),
+                        max_connections=cfg.max_connections,
+                        max_request_audio_seconds=(None if cfg.max_request_audio_seconds is None
+                                                   else float(cfg.max_request_audio_seconds)))

@@ -37,6 +37,12 @@ class ServerLimits:
     max_tokens_limit: int | None = None  # cap on max_tokens (None: max_model_len decides)
     trust_request_chat_template: bool = False
     template_timeout_s: float = 5.0
+    guided_compile_timeout_s: float = 10.0
+    guided_compile_memory_mb: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int | None = None  # None: default_max_connections()
+    max_request_audio_seconds: float | None = None  # None: max_audio_seconds
 
     def resolved(self, max_model_len: int) -> "ServerLimits":
         out = ServerLimits(**self.__dict__)
@@ -44,7 +50,22 @@ class ServerLimits:
             out.max_request_bytes = default_max_request_bytes(out.max_audio_seconds)
         if out.max_prompt_chars is None:
             out.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * max_model_len
+        if out.max_connections is None:
+            out.max_connections = default_max_connections()
+        if out.max_request_audio_seconds is None:
+            out.max_request_audio_seconds = out.max_audio_seconds
         return out
+
+
+def default_max_connections() -> int:
+    """The open-file limit less 256 descriptors for the model files, logs, pipes and workers (at most 10,000,
+    at least 16): past it a new connection is closed at once, so accept() never meets EMFILE."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, min(10_000, soft - 256))
 
 
 class _TooLarge(Exception):

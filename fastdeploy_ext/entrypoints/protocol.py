@@ -68,9 +68,28 @@ ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJSONObject, R
 _VLLM_UNSUPPORTED = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "truncate_prompt_tokens": (), "allowed_token_ids": (),
     "bad_words": ([],), "priority": (0,), "request_id": (), "logits_processors": (),
-    "kv_transfer_params": (), "vllm_xargs": (), "structured_outputs": (), "guided_decoding_backend": (),
+    "kv_transfer_params": (), "vllm_xargs": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "spaces_between_special_tokens": (True,), "prompt_embeds": (),
 }
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``, which replaced the ``guided_*`` fields):
+    exactly one of ``json``, ``regex``, ``choice``, ``grammar`` (Lark or GBNF), ``json_object``.
+    ``disable_any_whitespace`` and ``disable_fallback`` change nothing here (JSON is always written compactly,
+    and there is no fallback backend); ``disable_additional_properties`` closes every object schema that does
+    not say otherwise; ``whitespace_pattern`` and ``structural_tag`` are refused."""
+
+    json_: Union[dict, str] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
 
 
 class _SamplingFields(_Strict):
@@ -105,6 +124,7 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 

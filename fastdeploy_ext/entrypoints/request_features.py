@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
-from fastdeploy_ext.engine.guided_decoding import MAX_SCHEMA_BYTES, GrammarError, GuidedDecodingParams
+from fastdeploy_ext.engine.guided_decoding import MAX_SCHEMA_BYTES, GrammarBusy, GrammarError, GuidedDecodingParams
 from fastdeploy_ext.entrypoints.protocol import APIError
 
-_GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs")
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def guided_params_of(req) -> tuple[GuidedDecodingParams | None, str | None]:
@@ -22,6 +24,8 @@ def guided_params_of(req) -> tuple[GuidedDecodingParams | None, str | None]:
     if not given:
         return None, None
     field = given[0]
+    if field == "structured_outputs":
+        return _structured_outputs(req.structured_outputs)
     try:
         if field == "response_format":
             if rf.type == "json_object":
@@ -39,6 +43,53 @@ def guided_params_of(req) -> tuple[GuidedDecodingParams | None, str | None]:
         return GuidedDecodingParams(grammar=req.guided_grammar), field
     except ValueError as e:
         raise APIError(400, f"{field}: {e}", param=field) from None
+
+
+def _structured_outputs(so) -> tuple[GuidedDecodingParams, str]:
+    """vLLM's ``structured_outputs`` object; the field named in errors is ``structured_outputs.<key>``."""
+    for name in ("whitespace_pattern", "structural_tag"):
+        if getattr(so, name) is not None:
+            raise APIError(400, f"'structured_outputs.{name}' is not supported", param=f"structured_outputs.{name}")
+    values = {name: getattr(so, "json_" if name == "json" else name) for name in _CONSTRAINTS}
+    given = [name for name, value in values.items() if value is not None and value is not False]
+    if len(given) != 1:
+        raise APIError(400, f"'structured_outputs' needs exactly one of {', '.join(_CONSTRAINTS)}, got "
+                            f"{', '.join(given) or 'none'}", param="structured_outputs")
+    field = f"structured_outputs.{given[0]}"
+    value = values[given[0]]
+    try:
+        if given[0] == "json_object":
+            schema = {"type": "object"}
+            if so.disable_additional_properties:
+                schema["additionalProperties"] = False
+            return GuidedDecodingParams(json=schema), field
+        if given[0] == "json":
+            params = GuidedDecodingParams(json=value)
+            if so.disable_additional_properties:
+                try:
+                    params.json = _closed(params.json)
+                except RecursionError:
+                    raise APIError(400, f"{field}: the schema is nested too deeply", param=field) from None
+            return params, field
+        return GuidedDecodingParams(**{given[0]: value}), field
+    except ValueError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+
+
+def _closed(schema: dict) -> dict:
+    """``schema`` with ``additionalProperties: false`` on each object schema that sets no
+    ``additionalProperties`` (vLLM's ``disable_additional_properties``); iterative, so depth costs no stack."""
+    out = json.loads(json.dumps(schema))
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def logit_bias_of(req, vocab_size: int) -> dict[int, float] | None:
@@ -74,5 +125,15 @@ def tools_of(req) -> list[dict] | None:
     return tools
 
 
+def generation_error(error: str, guided_field: str | None) -> APIError:
+    """The error of a request that failed while generating: a grammar that fails at a later token (over
+    llguidance's parser limits, or allowing nothing) is the client's, a 400 naming its field; else a 500."""
+    if guided_field is not None and "guided decoding" in error:
+        return APIError(400, f"{guided_field}: the grammar failed during generation: {error}", param=guided_field)
+    return APIError(500, f"generation failed: {error}", "internal_server_error")
+
+
 def grammar_error(e: GrammarError, field: str) -> APIError:
+    if isinstance(e, GrammarBusy):
+        return APIError(429, f"{field}: {e.message}", "rate_limit_exceeded", param=field)
     return APIError(400, f"{field}: {e.message}", param=field)

@@ -27,11 +27,11 @@ COMPLETION_IMPLEMENTED = {"model", "prompt", "best_of", "echo", "frequency_penal
 VLLM_IMPLEMENTED = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                     "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "guided_json",
                     "guided_regex", "guided_choice", "guided_grammar", "return_tokens_as_token_ids",
-                    "return_token_ids"}
+                    "return_token_ids", "structured_outputs"}
 VLLM_CHAT_IMPLEMENTED = {"add_generation_prompt", "chat_template_kwargs"}
 VLLM_UNSUPPORTED = ["use_beam_search", "length_penalty", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
                     "priority", "request_id", "logits_processors", "cache_salt", "kv_transfer_params", "vllm_xargs",
-                    "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern",
+                    "guided_decoding_backend", "guided_whitespace_pattern",
                     "spaces_between_special_tokens", "prompt_embeds"]
 VLLM_CHAT_UNSUPPORTED = ["echo", "continue_final_message", "add_special_tokens", "documents", "chat_template",
                          "mm_processor_kwargs"]
@@ -95,7 +95,7 @@ def test_every_vllm_extra_is_implemented_or_400(server, kind):
               "guided_choice": ["a b", "c"]}
     if kind == "chat":
         extras |= {"add_generation_prompt": True, "chat_template_kwargs": {}}
-    assert set(extras) | {"guided_json", "guided_regex", "guided_grammar"} == \
+    assert set(extras) | {"guided_json", "guided_regex", "guided_grammar", "structured_outputs"} == \
         VLLM_IMPLEMENTED | (VLLM_CHAT_IMPLEMENTED if kind == "chat" else set())
     r = post(server, route, {**base, **extras})
     assert r.status_code == 200, r.text

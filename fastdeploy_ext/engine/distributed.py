@@ -154,9 +154,26 @@ class DistributedRunner:
     def _log_of(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"workerlog.{rank}")
 
+    def _log_tail(self, rank: int, lines: int = 3) -> str:
+        """The last lines of a rank's log (its own error), for the one-line failure message."""
+        try:
+            with open(self._log_of(rank), "rb") as f:
+                f.seek(max(0, os.path.getsize(self._log_of(rank)) - 4096))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        tail = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+        return f"; its log ends: {' | '.join(tail)}" if tail else ""
+
+    def describe_failure(self) -> str:
+        """The monitor's failure with the failed rank's last log lines and the log's path."""
+        rank = self._monitor.failed_rank
+        return f"{self.failure}{self._log_tail(rank)} (log: {self._log_of(rank)})"
+
     def _fail(self, what: str, rank: int, detail: str):
         self.shutdown(graceful=False)
-        raise RankFailure(f"tensor-parallel rank {rank} failed during {what}: {detail} (log: {self._log_of(rank)})")
+        raise RankFailure(f"tensor-parallel rank {rank} failed during {what}: {detail}{self._log_tail(rank)} "
+                          f"(log: {self._log_of(rank)})")
 
     @property
     def heartbeats(self) -> dict[int, int]:
@@ -166,7 +183,7 @@ class DistributedRunner:
     def _fail_monitor(self, what: str):
         message, rank = self.failure, self._monitor.failed_rank
         self.shutdown(graceful=False)
-        raise RankFailure(f"{message}; during {what} (log: {self._log_of(rank)})")
+        raise RankFailure(f"{message}; during {what}{self._log_tail(rank)} (log: {self._log_of(rank)})")
 
     def _accept_all(self):
         accepted = {}

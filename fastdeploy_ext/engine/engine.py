@@ -78,6 +78,15 @@ class EngineArgs:
     reasoning_parser: str | None = "auto"
 
 
+def _say(message: str) -> None:
+    """A start-up step that takes seconds: logged, and shown on an interactive terminal."""
+    import sys
+
+    logger.info("%s", message)
+    if sys.stderr.isatty() and not logger.isEnabledFor(logging.INFO):
+        print(f"fastdeploy_ext: {message}", file=sys.stderr)
+
+
 def set_cpu_threads(args: EngineArgs) -> int:
     """Threads for Paddle's CPU kernels. Paddle uses one unless told (torch uses every core), so the
     default is the cores divided among the tensor-parallel ranks; ``OMP_NUM_THREADS`` is respected.
@@ -304,6 +313,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.fd_config, self.model, num_kv_blocks, num_slots)
             if self.fd_config.load_config.device == "cpu":
                 sched = self.fd_config.scheduler_config
+                _say(f"warming up: one dummy prefill of up to {sched.max_num_batched_tokens} tokens "
+                     "(pays the first step's memory growth now; a few seconds)")
                 self.runner.warm_up(sched.max_num_batched_tokens, max_num_seqs, self.max_model_len)
         elif launched > 1:
             self.runner = distributed.LaunchedRunner(self.fd_config, self.model, num_kv_blocks, num_slots)

@@ -63,6 +63,7 @@ class LLM:
         self.chat_format = ChatFormat(self.tokenizer, get_tool_parser(parser) if parser else None,
                                       self.llm_engine.reasoning_parser, chat_template)
         self._next_id = 0
+        self._finished: dict[str, RequestOutput] = {}
 
     def shutdown(self) -> None:
         """Stop the rank processes of a tensor-parallel engine (also done at interpreter exit)."""
@@ -178,9 +179,14 @@ class LLM:
             out.outputs.tool_calls = calls
         return outputs
 
+    def finished_outputs(self) -> list[RequestOutput]:
+        """The outputs the last (possibly interrupted) :meth:`generate` had finished, in finishing order."""
+        return list(self._finished.values())
+
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
+        self._finished = finished  # readable after a KeyboardInterrupt
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

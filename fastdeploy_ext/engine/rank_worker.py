@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -61,6 +62,10 @@ def _rank_main(config: dict, rank: int) -> int:
         conn.send(("ok", None))
         serve_rank(conn.recv, conn.send, fd_config, model)
         return 0
+    except (EOFError, ConnectionError):
+        # the driver is gone without saying shutdown (killed); nothing to report to it
+        print(f"rank {rank}: the driver's connection closed; exiting", flush=True)
+        return 1
     except BaseException as e:
         traceback.print_exc()
         try:
@@ -74,6 +79,8 @@ def _rank_main(config: dict, rank: int) -> int:
 
 
 def main(argv=None) -> int:
+    # Ctrl-C in a terminal reaches the whole process group: the driver drains and then stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     silence_paddle()
     ap = argparse.ArgumentParser(description="fastdeploy_ext tensor-parallel rank group / rank (started by the driver)")
     ap.add_argument("--group", action="store_true", help="start the ranks")

@@ -130,9 +130,6 @@ def _generate_requests(args):
                                 seed=args.seed)
     except ValueError as e:
         raise UsageError(_flag_names(str(e))) from None
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise UsageError(f"--model {args.model}: no config.json there (a checkpoint directory holds config.json, "
-                         "the safetensors weights and tokenizer.json)")
     model_cls, fd_config = build_fd_config(EngineArgs(model=args.model, **_engine_kwargs(args)))
     model = build_model(model_cls, fd_config, load=False)
     tokenizer = Tokenizer.from_pretrained(args.model)
@@ -171,12 +168,30 @@ def _generate_requests(args):
     return params, requests
 
 
+def _check_model_dir(model: str, flag: str = "--model") -> None:
+    """A missing checkpoint directory, found before Paddle is imported (seconds)."""
+    if not os.path.isdir(model):
+        raise UsageError(f"{flag} {model}: no such directory")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise UsageError(f"{flag} {model}: no config.json there (a checkpoint directory holds config.json, "
+                         "the safetensors weights and tokenizer.json)")
+
+
 def _cmd_generate(args) -> int:
+    _check_model_dir(args.model)
     params, requests = _generate_requests(args)
     from fastdeploy_ext import LLM
 
     with LLM(model=args.model, **_engine_kwargs(args)) as llm:
-        _print_outputs(llm.generate(requests, params, use_tqdm=not args.no_tqdm))
+        try:
+            outputs = llm.generate(requests, params, use_tqdm=not args.no_tqdm)
+        except KeyboardInterrupt:
+            done = llm.finished_outputs()
+            _print_outputs(done)
+            print(f"interrupted: {len(done)} of {len(requests)} request(s) had finished (printed above)",
+                  file=sys.stderr)
+            return 130
+        _print_outputs(outputs)
     return 0
 
 
@@ -222,11 +237,15 @@ def _deploy_config(args):
 
 
 def _ensure_model(cfg) -> None:
-    """Demo configs name a tiny architecture: write its random checkpoint on first use."""
+    """Demo configs name a tiny architecture: write its random checkpoint on first use. Otherwise the
+    checkpoint directory must be there (checked before Paddle is imported)."""
+    if not cfg.tiny_arch:
+        if cfg.model_info is None:
+            _check_model_dir(cfg.model, f"{cfg.source}: field 'model'" if cfg.source != "<flags>" else "--model")
+        return
     from fastdeploy_ext.tiny import tiny_checkpoint_arch
 
-    if cfg.tiny_arch and tiny_checkpoint_arch(cfg.model) != cfg.tiny_arch \
-            and not os.path.exists(os.path.join(cfg.model, "config.json")):
+    if tiny_checkpoint_arch(cfg.model) != cfg.tiny_arch and not os.path.exists(os.path.join(cfg.model, "config.json")):
         _write_tiny_into(cfg.tiny_arch, cfg.model, force=False)
         print(f"wrote a tiny random {cfg.tiny_arch} checkpoint to {cfg.model}", file=sys.stderr)
 
@@ -243,6 +262,7 @@ def _cmd_plan(args) -> int:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(result.table())
+    sys.stdout.flush()
     return 0 if result.fits else 1
 
 
@@ -267,6 +287,8 @@ def _cmd_serve(args) -> int:
 
     logging.getLogger().setLevel(args.log_level.upper())
     cfg = _deploy_config(args)
+    if not cfg.tiny_arch:
+        _check_model_dir(cfg.model, f"{cfg.source}: field 'model'" if cfg.source != "<flags>" else "--model")
     sock = _listen(cfg.host, cfg.port)
     try:
         from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits
@@ -296,9 +318,20 @@ def _cmd_serve(args) -> int:
         host, port = sock.getsockname()[:2]
         for line in startup_summary(engine, cfg, f"http://{host}:{port}/v1", api_key is not None):
             logging.getLogger("fastdeploy_ext.server").info("%s", line)
-        run_server(server, sock, log_level=args.log_level)
+        try:
+            why = run_server(server, sock, log_level=args.log_level, drain_timeout_s=cfg.drain_timeout_s)
+        finally:
+            engine.shutdown()
     finally:
         sock.close()
+    if server.loop.failure is not None:
+        # exit non-zero so that a supervisor (systemd, Kubernetes) restarts the server and its ranks
+        print(f"error: {_one_line(server.loop.failure)}", file=sys.stderr)
+        return 1
+    aborted = server.loop.num_drain_aborted
+    print(f"{PROG} serve: stopped by {why}; "
+          + (f"{aborted} request(s) still running after the {cfg.drain_timeout_s:g} s drain were aborted"
+             if aborted else "no request was cut short"), file=sys.stderr)
     return 0
 
 
@@ -352,7 +385,7 @@ _DTYPES = ["auto", "float32", "float64", "bfloat16", "float16"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, formatter_class=_Help,
+    p = _Parser(prog=PROG, formatter_class=_Help, allow_abbrev=False,
                 description="Serve MiniMax-M1 and MiDashengLM (and Qwen2) on a FastDeploy-style PaddlePaddle "
                 "engine.\nStart with `fastdeploy-ext demo`; `fastdeploy-ext COMMAND --help` describes a command.")
     p.add_argument("--version", action="version", version=_version(), help="Print the package, Paddle and Python "
@@ -360,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
 
     def command(name: str, help_: str, description: str | None = None):
-        return sub.add_parser(name, help=help_, description=description or help_, formatter_class=_Help)
+        return sub.add_parser(name, help=help_, description=description or help_, formatter_class=_Help,
+                              allow_abbrev=False)
 
     d = command("demo", "Write a tiny random Qwen2 checkpoint (offline) and generate with it.")
     d.add_argument("--out", default=os.path.join("tiny_models", "qwen2"),
@@ -484,17 +518,47 @@ def main(argv=None) -> int:
     # Configured before paddle is imported: Paddle's import installs its own root handler otherwise.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _refuse_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`plan --json | head`): nothing more to say, and nothing left to flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:
+        from fastdeploy_ext.engine.errors import RankFailure
+
+        if isinstance(e, RankFailure):
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return 1
         if not isinstance(e, _user_errors()):
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Name an unknown ``--flag`` (argparse reports a missing required flag first, never naming the typo)."""
+    import difflib
+
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = next((x for x in argv if not x.startswith("-")), None)
+    target = sub.choices.get(command) if sub is not None and command else None
+    known = set(parser._option_string_actions) | set(target._option_string_actions if target else ())
+    for x in argv:
+        if x == "--":
+            break
+        if x.startswith("--"):
+            flag = x.split("=", 1)[0]
+            if flag not in known:
+                close = difflib.get_close_matches(flag, sorted(known), n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                (target or parser).error(f"unrecognized argument: {flag}{hint}")
 
 
 def _user_errors() -> tuple:

@@ -88,6 +88,7 @@ class _Sink:
     index: int
     sent: int = 0  # output tokens already published
     published: bool = False
+    text: str = ""  # the output text last published (what an abort's final update repeats)
 
 
 @dataclass
@@ -131,6 +132,9 @@ class EngineLoop:
         # Sequences accepted by handlers and not yet finished (event-loop thread only).
         self.num_pending = 0
         self.num_rejected = 0
+        self.num_drain_aborted = 0  # sequences ended by abort_all (a shutdown's drain ran out)
+        self.failure: str | None = None  # why the engine cannot run again (a tensor-parallel rank failed)
+        self.on_fatal = None  # called (engine thread) once the engine has failed for good
 
     def start(self) -> None:
         self._thread.start()
@@ -155,18 +159,29 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """End every request in flight with ``finish_reason: "abort"`` (the end of a shutdown's drain);
+        their streams get a final chunk. Safe from any thread."""
+        self._commands.put(("abort_all",))
+
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
             try:
                 self._drain(block=not engine.has_unfinished_requests())
+                failure = getattr(engine.runner, "failure", None)
+                if failure is not None:  # a rank died while the engine was idle: no step would notice
+                    raise RankFailure(engine.runner.describe_failure())
                 if engine.has_unfinished_requests():
                     for req in engine.step():
                         self._publish(req)
             except RankFailure as e:  # the engine cannot run another step: /health must say so
-                logger.exception("tensor-parallel rank failed; the engine loop stops")
+                logger.error("tensor-parallel rank failed; the engine loop stops: %s", e)
+                self.failure = str(e)
                 self._fail_all(f"engine failed: {e}")
                 self._stop.set()
+                if self.on_fatal is not None:
+                    self.on_fatal(self.failure)
             except Exception as e:  # keep serving: fail what was in flight, not the process
                 logger.exception("engine loop iteration failed")
                 self._fail_all(f"internal engine error: {type(e).__name__}: {e}")
@@ -200,6 +215,15 @@ class EngineLoop:
                 self._group_of[r.request_id] = rid
             for k, r in enumerate(reqs):
                 self._sinks[r.request_id] = _Sink(loop, sink_queue, base + k)
+        elif cmd[0] == "abort_all":
+            for eid, sink in list(self._sinks.items()):
+                self.engine.abort_request(eid)
+                _post(sink.loop, sink.queue, Update(sink.index, sink.text, [], [], "abort"))
+                self._finished["abort"] = self._finished.get("abort", 0) + 1
+                self.num_drain_aborted += 1
+            self._sinks.clear()
+            self._groups.clear()
+            self._group_of.clear()
         elif cmd[0] == "abort":
             for eid in self._groups.pop(cmd[1], []):
                 self._group_of.pop(eid, None)
@@ -216,6 +240,7 @@ class EngineLoop:
             return  # a prefill chunk: nothing to say yet
         lps = req.output_logprobs[sink.sent:] if req.params.logprobs is not None else []
         sink.sent = len(req.output_token_ids)
+        sink.text = req.output_text
         self._generated += len(new_ids)
         self._rate.append((time.monotonic(), len(new_ids)))
         finish = req.finish_reason if req.is_finished else None
@@ -391,6 +416,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.media_root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
         self.loop = EngineLoop(engine, max_pending_requests, stats_interval)
+        self.draining = False  # set at SIGINT/SIGTERM: new requests get 503 while in-flight ones finish
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
@@ -440,6 +466,8 @@ class OpenAIServer:
                                 "to generate)", param="max_tokens")
 
     def _admit(self, num_seqs: int) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
         if self.loop.num_pending + num_seqs > self.loop.max_pending_requests:
@@ -962,7 +990,7 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
-            failure = getattr(self.engine.runner, "failure", None)
+            failure = self.loop.failure or getattr(self.engine.runner, "failure", None)
             if failure is not None:
                 return JSONResponse({"status": f"engine failed: {failure}"}, status_code=503)
             if not self.loop.alive:
@@ -1153,9 +1181,61 @@ class _ChoiceState:
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def run_server(server: OpenAIServer, sock, log_level: str = "info") -> None:
-    """Serve on the bound socket ``sock`` until interrupted (uvicorn owns the event loop and signal handling)."""
+def run_server(server: OpenAIServer, sock, log_level: str = "info", drain_timeout_s: float = 5.0) -> str:
+    """Serve on the bound socket ``sock`` until SIGINT/SIGTERM or an engine failure; returns why it stopped
+    (``"SIGINT"``, ``"SIGTERM"`` or the failure).
+
+    A signal starts a drain: the socket stops accepting, new requests on open connections get 503, and
+    requests in flight run on for up to ``drain_timeout_s``; then each still running is ended with
+    ``finish_reason: "abort"`` (a stream gets its final chunk and ``[DONE]``). A second signal ends the
+    drain at once. The signal is not re-raised afterwards (uvicorn's default), so the caller exits normally.
+    An engine that failed for good (a tensor-parallel rank died) stops the server after the same drain
+    window, during which ``/health`` names the failure."""
+    import contextlib
+    import signal as signals
+
     import uvicorn
 
-    config = uvicorn.Config(server.build_app(), log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    class _Server(uvicorn.Server):
+        stopped_by: str | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second signal: abort what is left now
+                server.loop.abort_all()
+                return
+            self.stopped_by = signals.Signals(sig).name
+            self._drain()
+
+        def _drain(self) -> None:
+            server.draining = True
+            self.should_exit = True
+            timer = threading.Timer(drain_timeout_s, server.loop.abort_all)
+            timer.daemon = True
+            timer.start()
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signals.signal(sig, self.handle_exit) for sig in (signals.SIGINT, signals.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signals.signal(sig, handler)
+
+    config = uvicorn.Config(server.build_app(), log_level=log_level,
+                            timeout_graceful_shutdown=drain_timeout_s + 5)
+    uv = _Server(config)
+
+    def fatal(why: str) -> None:
+        uv.stopped_by = why
+        server.draining = True
+        timer = threading.Timer(drain_timeout_s, lambda: setattr(uv, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    server.loop.on_fatal = fatal
+    uv.run(sockets=[sock])
+    return uv.stopped_by or "shutdown"

@@ -15,6 +15,9 @@ import pytest
 from fastdeploy_ext.entrypoints.cli import build_parser
 from fastdeploy_ext.tiny import write_tiny
 
+# Subprocesses here carry their own bounds (up to 300 s for a generate on a busy box): each test gets the largest.
+pytestmark = pytest.mark.timeout(330)
+
 # What Paddle prints unasked: the ccache warning, glog INFO lines, init_parallel_env's flags banner.
 NOISE = re.compile(r"No ccache found|^[IW]\d{4} \d\d:\d\d:\d\d|Modified FLAGS detected", re.M)
 

@@ -236,12 +236,16 @@ def _deploy_config(args):
     return load_config(args.config, {k: getattr(args, k) for k in FIELDS if hasattr(args, k)})
 
 
+def _model_where(cfg) -> str:
+    return "--model" if cfg.source in ("command line", "<flags>") else f"{cfg.source}: field 'model'"
+
+
 def _ensure_model(cfg) -> None:
     """Demo configs name a tiny architecture: write its random checkpoint on first use. Otherwise the
     checkpoint directory must be there (checked before Paddle is imported)."""
     if not cfg.tiny_arch:
         if cfg.model_info is None:
-            _check_model_dir(cfg.model, f"{cfg.source}: field 'model'" if cfg.source != "<flags>" else "--model")
+            _check_model_dir(cfg.model, _model_where(cfg))
         return
     from fastdeploy_ext.tiny import tiny_checkpoint_arch
 
@@ -251,10 +255,10 @@ def _ensure_model(cfg) -> None:
 
 
 def _cmd_plan(args) -> int:
-    from fastdeploy_ext.entrypoints.planner import plan
-
     cfg = _deploy_config(args)
     _ensure_model(cfg)
+    from fastdeploy_ext.entrypoints.planner import plan
+
     result = plan(cfg, length=args.length)
     if args.json:
         import json
@@ -288,7 +292,7 @@ def _cmd_serve(args) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     cfg = _deploy_config(args)
     if not cfg.tiny_arch:
-        _check_model_dir(cfg.model, f"{cfg.source}: field 'model'" if cfg.source != "<flags>" else "--model")
+        _check_model_dir(cfg.model, _model_where(cfg))
     sock = _listen(cfg.host, cfg.port)
     try:
         from fastdeploy_ext.entrypoints.deploy_config import engine_args, resolve_api_key, server_limits

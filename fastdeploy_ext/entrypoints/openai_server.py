@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.stop_strings import StopMatcher
-from fastdeploy_ext.entrypoints.limits import RequestBodyGuard, ServerLimits
+from fastdeploy_ext.entrypoints.limits import (RequestBodyGuard, ServerLimits, guarded_http_protocol,
+                                              install_repeat_filter, json_elements, max_json_elements)
 from fastdeploy_ext.engine.guided_decoding import GrammarError
 from fastdeploy_ext.engine.chat_adapter import ChatFormat
 from fastdeploy_ext.entrypoints.protocol import (
@@ -465,6 +466,29 @@ class OpenAIServer:
                                 f"{len(ids) + params.max_tokens} ({len(ids)} in the {where}, {params.max_tokens} "
                                 "to generate)", param="max_tokens")
 
+    def _parse(self, model_cls, body: bytes, kind: str):
+        """``parse_request`` after a bound on the body's JSON elements from the model's limits (413 before
+        pydantic builds a list: 19 million token ids would cost ~6 GB there)."""
+        bound = max_json_elements(kind, self.engine.max_model_len, self.loop.max_pending_requests)
+        if json_elements(body, bound) > bound:
+            what = "max_pending_requests prompts" if kind == "completion" else "a prompt"
+            raise APIError(413, f"the request body has more than {bound} JSON elements, more than {what} of "
+                                f"max_model_len tokens can hold (max_model_len={self.engine.max_model_len}, "
+                                f"max_pending_requests={self.loop.max_pending_requests})")
+        return parse_request(model_cls, body)
+
+    def _check_capacity(self, num_seqs: int, param: str) -> None:
+        """Refuse a request that could never run (400) or cannot run now (429) before its prompts are
+        tokenized and checked; ``_admit`` reserves the room later."""
+        limit = self.loop.max_pending_requests
+        if num_seqs > limit:
+            raise APIError(400, f"the request asks for {num_seqs} sequences (prompts x n); this server runs at most "
+                                f"max_pending_requests={limit}", param=param)
+        if self.loop.num_pending + num_seqs > limit:
+            self.loop.num_rejected += 1
+            raise APIError(429, f"server overloaded: {self.loop.num_pending} sequences pending (limit {limit}), this "
+                                f"request needs {num_seqs}; retry later", "rate_limit_exceeded")
+
     def _admit(self, num_seqs: int) -> None:
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -719,7 +743,7 @@ class OpenAIServer:
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
         tools, tool_choice = None, None
         if kind == "completion":
-            req = await asyncio.to_thread(parse_request, CompletionRequest, body)
+            req = await asyncio.to_thread(self._parse, CompletionRequest, body, kind)
             self._check_model(req.model)
             if req.best_of is not None and req.best_of != req.n:
                 raise APIError(400, "'best_of' must equal 'n' (no server-side ranking)", param="best_of")
@@ -729,10 +753,12 @@ class OpenAIServer:
             k = req.logprobs
             self._check_stops(req.stop)
             max_tokens = self._cap_max_tokens(req.max_tokens, "max_tokens", default=16)
+            # Admitted (as far as the count goes) before any prompt is tokenized or checked.
+            self._check_capacity(_prompt_count(req.prompt) * req.n, "prompt")
             prompts = [(text, ids, None) for text, ids in await asyncio.to_thread(self._completion_prompts, req)]
             where = "prompt"
         else:
-            req = await asyncio.to_thread(parse_request, ChatCompletionRequest, body)
+            req = await asyncio.to_thread(self._parse, ChatCompletionRequest, body, kind)
             self._check_model(req.model)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if req.top_logprobs is not None and not req.logprobs:
@@ -984,7 +1010,8 @@ class OpenAIServer:
             err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
             return JSONResponse(err.body(), status_code=500)
 
-        app.add_middleware(RequestBodyGuard, max_bytes=self.limits.max_request_bytes)
+        app.add_middleware(RequestBodyGuard, max_bytes=self.limits.max_request_bytes,
+                           body_timeout_s=self.limits.body_timeout_s)
         if self.api_key is not None:
             app.add_middleware(_ApiKeyMiddleware, api_key=self.api_key)
 
@@ -1181,6 +1208,13 @@ class _ChoiceState:
                 "total_tokens": self.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _prompt_count(prompt) -> int:
+    """Prompts in a completion request's ``prompt`` (a string, a list of strings, ids, or lists of ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return max(1, len(prompt))
+
+
 def run_server(server: OpenAIServer, sock, log_level: str = "info", drain_timeout_s: float = 5.0) -> str:
     """Serve on the bound socket ``sock`` until SIGINT/SIGTERM or an engine failure; returns why it stopped
     (``"SIGINT"``, ``"SIGTERM"`` or the failure).
@@ -1225,8 +1259,12 @@ def run_server(server: OpenAIServer, sock, log_level: str = "info", drain_timeou
                 for sig, handler in old.items():
                     signals.signal(sig, handler)
 
+    limits = server.limits
+    install_repeat_filter()
     config = uvicorn.Config(server.build_app(), log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout_s + 5)
+                            timeout_graceful_shutdown=drain_timeout_s + 5,
+                            http=guarded_http_protocol(limits.header_timeout_s, limits.max_connections),
+                            timeout_keep_alive=limits.header_timeout_s)
     uv = _Server(config)
 
     def fatal(why: str) -> None:

@@ -55,7 +55,7 @@ GENERATE_MISTAKES = {
     "second_prompt_empty": (["--prompt", "hi", "--prompt", ""], "--prompt #2 is empty"),
     "zero_max_tokens": (["--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
     "not_a_number": (["--prompt", "hi", "--temperature", "warm"], "invalid float value: 'warm'"),
-    "unknown_flag": (["--prompt", "hi", "--temprature", "1"], "unrecognized arguments: --temprature"),
+    "unknown_flag": (["--prompt", "hi", "--temprature", "1"], "unrecognized argument: --temprature; did you mean --temperature?"),
     "bad_choice": (["--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     "top_p_above_one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p: must be in [0, 1]"),
     "bf16_on_cpu": (["--prompt", "hi", "--dtype", "bfloat16", "--device", "cpu"],
@@ -106,7 +106,7 @@ def test_serve_and_plan_settings_errors(unreadable_ckpt):
     assert_user_error(run_cli("serve", "--model", unreadable_ckpt, "--port", "0", "--max-num-seqs", "0"),
                       "field 'max_num_seqs' must be >= 1, got 0")
     assert_user_error(run_cli("serve"), "give --config FILE or --model DIR")
-    assert_user_error(run_cli("plan", "--model", unreadable_ckpt, "--port", "1"), "unrecognized arguments: --port")
+    assert_user_error(run_cli("plan", "--model", unreadable_ckpt, "--port", "1"), "unrecognized argument: --port")
     assert_user_error(run_cli("serve", "--config", "missing.yaml"), "config file not found: missing.yaml")
 
 
@@ -220,3 +220,75 @@ def test_generate_takes_the_prefix_caching_switch(tmp_path):
     on, off = run_cli(*args, "--enable-prefix-caching"), run_cli(*args, "--no-enable-prefix-caching")
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
     assert on.stdout.count("finish_reason=") == 2 and on.stdout == off.stdout
+
+
+# ---- an operator's first hour (issue 29)
+
+
+def test_abbreviated_flags_are_refused(tiny_qwen2_dir):
+    """argparse would take --max-token as --max-tokens; here it is an unknown flag, named, with the right one."""
+    r = run_cli("generate", "--model", tiny_qwen2_dir, "--prompt", "hi", "--max-token", "5")
+    assert_user_error(r, "unrecognized argument: --max-token; did you mean --max-tokens?")
+
+
+def test_an_unknown_flag_is_named_before_a_missing_required_one(tiny_qwen2_dir):
+    r = run_cli("generate", "--model", tiny_qwen2_dir, "--promt", "hi")
+    assert_user_error(r, "unrecognized argument: --promt; did you mean --prompt?")
+
+
+def test_plan_json_into_a_closed_pipe_ends_quietly():
+    configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    cmd = (f"timeout 120 {sys.executable} -m fastdeploy_ext.entrypoints.cli plan --config "
+           f"{configs}/minimax-m1-80k-tp8-bf16-h200.yaml --json | head -n 1; exit ${{PIPESTATUS[0]}}")
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0 and r.stdout == "{\n", (r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "plan"])
+def test_a_wrong_model_path_is_reported_before_paddle_is_imported(tmp_path, command):
+    missing = str(tmp_path / "no-such-model")
+    args = ["--model", missing] + (["--prompt", "hi"] if command == "generate" else [])
+    code = ("import sys; from fastdeploy_ext.entrypoints.cli import main; rc = main(sys.argv[1:]); "
+            "print('paddle imported' if 'paddle' in sys.modules else 'paddle not imported'); sys.exit(rc)")
+    r = subprocess.run(["timeout", "120", sys.executable, "-c", code, command, *args], capture_output=True,
+                       text=True, timeout=130)
+    assert r.returncode == 2 and r.stdout.strip() == "paddle not imported", (r.stdout, r.stderr)
+    assert r.stderr.strip() == f"error: --model {missing}: no such directory"
+
+
+def test_triton_kernels_without_triton_name_the_extra(tmp_path):
+    d = str(tmp_path / "m1")
+    write_tiny("MiniMaxM1ForCausalLM", d, seed=0)
+    code = ("import sys; sys.modules['triton'] = None; from fastdeploy_ext.entrypoints.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "FDEXT_LIGHTNING_KERNELS": "triton"}
+    r = subprocess.run(["timeout", "300", sys.executable, "-c", code, "generate", "--model", d, "--prompt", "hi",
+                        "--backend", "device", "--max-tokens", "2", "--no-tqdm"], capture_output=True, text=True,
+                       env=env, timeout=310)
+    assert_user_error(r, 'FDEXT_LIGHTNING_KERNELS=triton needs Triton, which is not installed: pip install -e ".[triton]"')
+
+
+def test_ctrl_c_on_generate_prints_what_finished(tiny_qwen2_dir):
+    """SIGINT after the first request finished: its output is printed, the rest are reported unfinished."""
+    # One sequence at a time; the engine step after the first request finished is interrupted.
+    script = (
+        "import os, signal, sys\n"
+        "from fastdeploy_ext.entrypoints.cli import main\n"
+        "from fastdeploy_ext.engine import llm as llm_mod\n"
+        "real, seen = llm_mod.LLMEngine.step, []\n"
+        "def step(self):\n"
+        "    if seen:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    out = real(self)\n"
+        "    seen.extend(r for r in out if r.is_finished)\n"
+        "    return out\n"
+        "llm_mod.LLMEngine.step = step\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run(["timeout", "300", sys.executable, "-c", script, "generate", "--model", tiny_qwen2_dir,
+                        "--prompt", "a", "--prompt", "b c d e f", "--max-tokens", "2", "--max-num-seqs", "1",
+                        "--no-tqdm"], capture_output=True, text=True, timeout=310)
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr
+    assert r.stdout.count("--- request ") == 1 and "prompt:     'a'" in r.stdout
+    assert r.stderr.strip().splitlines()[-1] == "interrupted: 1 of 2 request(s) had finished (printed above)"

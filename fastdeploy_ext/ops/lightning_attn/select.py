@@ -15,6 +15,14 @@ def select_lightning_ops(block_size: int, on_gpu: bool, kernels: str = ""):
     if kernels not in ("", "triton", "reference"):
         raise ValueError(f"{KERNELS_ENV} must be 'triton' or 'reference', got {kernels!r}")
     if kernels == "triton" or (kernels == "" and on_gpu):
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            from fastdeploy_ext.config.base import ConfigError
+
+            why = f"{KERNELS_ENV}=triton" if kernels == "triton" else "the GPU lightning-attention kernels"
+            raise ConfigError(f"{why} needs Triton, which is not installed: pip install -e \".[triton]\" "
+                              "(the triton extra)") from None
         from fastdeploy_ext.ops.lightning_attn import triton_kernels
 
         def prefill_triton(q, k, v, slopes, cu_seqlens, state_pool, slot_ids, cu_seqlens_cpu):

@@ -497,7 +497,8 @@ class OpenAIServer:
         if self.loop.num_pending + num_seqs > self.loop.max_pending_requests:
             self.loop.num_rejected += 1
             raise APIError(429, f"server overloaded: {self.loop.num_pending} sequences pending (limit "
-                                f"{self.loop.max_pending_requests}); retry later", "rate_limit_exceeded")
+                                f"{self.loop.max_pending_requests}), this request needs {num_seqs}; retry later",
+                           "rate_limit_exceeded")
         self.loop.num_pending += num_seqs
 
     def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:

@@ -250,3 +250,40 @@ def test_docs_cite_only_what_the_repository_holds(path):
                       if not any(os.path.exists(os.path.join(ROOT, base, p)) for base in ("", "fastdeploy_ext"))})
     assert not missing, f"{path} cites paths the repository does not hold: {missing}"
     assert not ISSUE.findall(text), f"{path} cites issue numbers, which are not in the repository"
+
+
+# ---- pasted outputs are checked against what the code prints
+
+
+def _plan(*args) -> str:
+    r = subprocess.run(["timeout", "120", sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "plan", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert r.returncode in (0, 1), r.stderr
+    return r.stdout
+
+
+def _output_block(path: str, needle: str) -> str:
+    found = [b for b in blocks_of(path) if b.no_run is not None and needle in b.text]
+    assert len(found) == 1, f"{path}: {len(found)} output blocks hold {needle!r}"
+    return found[0].text
+
+
+def test_pasted_plan_outputs_are_what_plan_prints():
+    text = _output_block("docs/deployment.md", "== minimax-m1-80k-tp8-bf16-h200")
+    sections = re.split(r"(?m)^== (\S+)\n", text)[1:]
+    assert len(sections) >= 8
+    for name, pasted in zip(sections[::2], sections[1::2]):
+        assert _plan("--config", f"configs/{name}.yaml").strip() == pasted.strip(), name
+    tail = _output_block("docs/deployment.md", "DOES NOT FIT").strip()
+    printed = _plan("--config", "configs/minimax-m1-80k-tp8-bf16-h200.yaml", "--gpu-memory", "80GB").strip()
+    assert printed.endswith(tail), printed
+
+
+def test_the_status_line_example_is_what_the_server_logs():
+    from fastdeploy_ext.entrypoints.openai_server import EngineStats, stats_line
+
+    stats = EngineStats(running=8, waiting=0, kv_blocks_used=412, kv_blocks_cached=96, kv_blocks_total=4096,
+                        state_slots_used=8, state_slots_total=16, prefix_cache_query_tokens_total=51212,
+                        prefix_cache_hit_tokens_total=36514)
+    line = stats_line(stats, pending=8, prompt_rate=1204.5, generation_rate=151.2)
+    assert _output_block("docs/deployment.md", "blocks in use").strip() == line

@@ -50,14 +50,14 @@ class ServerLimits:
 
     def resolved(self, max_model_len: int) -> "ServerLimits":
         out = ServerLimits(**self.__dict__)
+        if out.max_request_audio_seconds is None:
+            out.max_request_audio_seconds = out.max_audio_seconds
         if out.max_request_bytes is None:
-            out.max_request_bytes = default_max_request_bytes(out.max_audio_seconds)
+            out.max_request_bytes = default_max_request_bytes(max(out.max_audio_seconds, out.max_request_audio_seconds))
         if out.max_prompt_chars is None:
             out.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * max_model_len
         if out.max_connections is None:
             out.max_connections = default_max_connections()
-        if out.max_request_audio_seconds is None:
-            out.max_request_audio_seconds = out.max_audio_seconds
         return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import binascii
 import hmac
 import json
@@ -65,6 +66,8 @@ _DISCONNECT_POLL_S = 0.25
 _RATE_WINDOW_S = 10.0
 # Seconds a client told 429 should wait: a pending sequence finishes within a few engine steps at most.
 _RETRY_AFTER_S = 1
+# Threads that decode request audio (their own pool: asyncio's default one parses and tokenizes every request).
+AUDIO_DECODE_THREADS = 2
 
 
 @dataclass
@@ -407,6 +410,8 @@ class OpenAIServer:
         # Work done for requests, for /metrics (and for tests: a refused request must add nothing here).
         self._counts = {"tokenized_chars": 0, "templates_rendered": 0, "audio_frames_decoded": 0}
         self._counts_lock = threading.Lock()
+        self._audio_pool = concurrent.futures.ThreadPoolExecutor(AUDIO_DECODE_THREADS,
+                                                                 thread_name_prefix="audio-decode")
         self.tokenizer = engine.tokenizer
         parser = tool_call_parser or default_tool_parser(type(engine.model).name())
         self.chat_format = ChatFormat(engine.tokenizer, get_tool_parser(parser) if parser else None,
@@ -515,7 +520,18 @@ class OpenAIServer:
         if total > self.limits.max_prompt_chars:
             raise APIError(400, f"'prompt' has {total} characters; the limit is max_prompt_chars="
                                 f"{self.limits.max_prompt_chars}", param="prompt")
-        return [(x, self._encode(x, "prompt", True)) if isinstance(x, str) else (None, list(x)) for x in items]
+        out = [(x, self._encode(x, "prompt", True)) if isinstance(x, str) else (None, list(x)) for x in items]
+        processor = getattr(self.engine.model, "multimodal_processor", None)
+        if processor is not None:
+            # Completions carry no audio: a media placeholder in the prompt is refused, as generate() refuses it.
+            for i, (text, ids) in enumerate(out):
+                try:
+                    processor(self.tokenizer, text, ids, None)
+                except (ValueError, TypeError) as e:
+                    where = "prompt" if len(out) == 1 else f"prompt.{i}"
+                    raise APIError(400, f"{where}: {e}; /v1/completions takes no audio (use /v1/chat/completions)",
+                                   param="prompt") from None
+        return out
 
     def _audio_source(self, part, where: str):
         """Encoded bytes or a vetted local path for one audio part; decoding is the model processor's job."""
@@ -548,23 +564,48 @@ class OpenAIServer:
         except (binascii.Error, ValueError) as e:
             raise APIError(400, f"{where}: audio data is not valid base64 ({e})", param=where) from None
 
-    def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None):
+    def _chat_audio(self, req: ChatCompletionRequest) -> list[tuple]:
+        """``(source, where)`` of each audio part, in order, after their headers are checked: each clip within
+        max_audio_seconds and all together within max_request_audio_seconds and as many decoded samples (at the
+        files' own rates and channels) as that many seconds of 48 kHz stereo. No sample is decoded here."""
+        from fastdeploy_ext.layers.audio.io import check_audio_header, read_audio_header
+
+        lim = self.limits
+        processor = getattr(self.engine.model, "multimodal_processor", None)
+        sources, seconds, samples = [], 0.0, 0
+        max_samples = int(lim.max_request_audio_seconds * 48000 * 2)
+        for i, m in enumerate(req.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type == "text":
+                    continue
+                where = f"messages.{i}.content.{j}"
+                if processor is None:
+                    raise APIError(400, f"{where}: the model '{self.model_name}' does not take audio input",
+                                   param=where)
+                source = self._audio_source(part, where)
+                try:
+                    header = read_audio_header(source, "audio data")
+                    check_audio_header(header, "the audio", lim.max_audio_seconds)
+                except ValueError as e:
+                    raise APIError(400, f"{where}: {e}", param=where) from None
+                seconds += header.seconds
+                samples += header.frames * header.channels
+                if seconds > lim.max_request_audio_seconds or samples > max_samples:
+                    raise APIError(400, f"{where}: the request's audio parts hold {seconds:.1f} s and {samples} "
+                                        f"samples up to here; one request may hold max_request_audio_seconds="
+                                        f"{lim.max_request_audio_seconds:g} s and {max_samples} samples", param=where)
+                sources.append((source, where))
+        return sources
+
+    def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None, audios: list | None = None):
         """Render the chat template (it turns audio parts into the model's placeholders) and run the model's
-        multimodal processor, which decodes the audio and expands the placeholders.
+        multimodal processor on the decoded ``audios``, which expands the placeholders.
         Returns ``(text, ids, multimodal_inputs)``."""
         processor = getattr(self.engine.model, "multimodal_processor", None)
-        messages, audios = [], []
-        for i, m in enumerate(req.messages):
+        messages, audios = [], list(audios or [])
+        for m in req.messages:
             content = m.content
             if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.type == "text":
-                        continue
-                    where = f"messages.{i}.content.{j}"
-                    if processor is None:
-                        raise APIError(400, f"{where}: the model '{self.model_name}' does not take audio input",
-                                       param=where)
-                    audios.append(self._decode_audio(self._audio_source(part, where), where))
                 content = [part.model_dump() for part in content]
             messages.append(m.model_dump(exclude_none=True) | {"content": content})
         text = self._render(req, messages, tools)
@@ -773,7 +814,13 @@ class OpenAIServer:
             self._check_stops(req.stop)
             max_tokens = self._cap_max_tokens(
                 max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-            prompts = [await asyncio.to_thread(self._chat_prompt, req, tools)]
+            # Audio: headers and the request's audio budget first, then admission, then decoding in the server's
+            # own decode pool (a flood of audio cannot take the threads that parse and tokenize other requests).
+            sources = await asyncio.to_thread(self._chat_audio, req)
+            self._check_capacity(req.n, "messages")
+            audios = [await asyncio.get_running_loop().run_in_executor(self._audio_pool, self._decode_audio, source,
+                                                                          where) for source, where in sources]
+            prompts = [await asyncio.to_thread(self._chat_prompt, req, tools, audios)]
             where = "messages"
             if max_tokens is None and "max_new_tokens" in self.engine.generation_config:
                 # generation_config's default, within what the context leaves

@@ -14,6 +14,7 @@ starts without Paddle.
 from __future__ import annotations
 
 import json
+import re
 import select
 import subprocess
 import sys
@@ -60,10 +61,25 @@ def _check_len(n: int, what: str) -> None:
 
 
 _PADDING_METHODS = {"center", "ljust", "rjust", "zfill", "expandtabs"}
+# A printf field's width and precision (``%-099.99d``, ``%*.*f``).
+_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _check_printf(fmt: str, args) -> None:
+    """Refuse ``fmt % args`` whose fields' widths and precisions add up past MAX_VALUE_LEN, before formatting."""
+    star = iter(a for a in (args if isinstance(args, tuple) else (args,)) if isinstance(a, int))
+    total = 0
+    for m in _PRINTF_FIELD.finditer(fmt):
+        for size in m.groups():
+            total += abs(next(star, 0)) if size == "*" else int(size) if size else 0
+            _check_len(total, "a %-formatted string")
 
 
 class _CappedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset({"*", "+", "**"})
+    # An intercepted operator is also never constant-folded while the template is parsed (jinja's BinExpr.as_const),
+    # so `{{ '%99999999d' % 1 }}` costs nothing in the server that parses a client template; it is refused when
+    # it would run.
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
 
     def call_binop(self, context, operator, left, right):
         if operator == "*":
@@ -74,6 +90,8 @@ class _CappedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             _check_len(len(left) + len(right), "a concatenation")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 64:
             raise TemplateLimitError(f"chat template: exponent {right} is too large")
+        elif operator == "%" and isinstance(left, str):
+            _check_printf(left, right)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)

@@ -111,6 +111,26 @@ def test_trusted_template_growth_is_capped(trusting):
     still_serving(trusting)
 
 
+def test_client_template_is_parsed_without_constant_folding(trusting):
+    """`{{ '%99999999d' % 1 }}` (22 bytes) was evaluated by Jinja's constant folding while the server parsed the
+    template, allocating 100 MB there: now the sandbox intercepts `%` (never folded) and caps its fields."""
+    import tracemalloc
+
+    from fastdeploy_ext.engine.template_sandbox import undeclared_variables
+
+    tracemalloc.start()
+    try:
+        undeclared_variables("{{ '%99999999d' % 1 }}{{ '%*d' % (99999999, 1) }}")
+        assert tracemalloc.get_traced_memory()[1] < 20 << 20
+    finally:
+        tracemalloc.stop()
+    for template in ("{{ '%99999999d' % 1 }}", "{{ '%.99999999f' % 1.5 }}", "{{ '%*s' % (99999999, 'x') }}",
+                     "{{ '%600000d%600000d' % (1, 2) }}"):
+        assert "%-formatted" in refused(chat(trusting, chat_template=template), 400, "chat_template")
+    ok = chat(trusting, chat_template="{{ '%5d|%-3s|%%' % (42, 'x') }}{{ messages[0]['content'] }}")
+    assert ok.status_code == 200, ok.text
+
+
 def test_trusted_looping_template_is_killed_at_the_timeout(trusting):
     pid = server_pid(trusting)
     before = rss(pid)

@@ -9,7 +9,8 @@ L tokens, its pages in shuffled order); prefill chunks n = 8192 after a cached c
 n = 2048 after 0 (the context's and the chunk's keys read through the pages). Per case, the median of CUDA-graph
 replays (``triton.testing.do_bench_cudagraph``) of
 
-- ``ours``: ``paged_decode`` / ``paged_prefill`` (default configuration, or the fastest of ``--sweep``);
+- ``ours``: ``paged_decode`` / ``paged_prefill`` (the launcher's default configuration, or the fastest of
+  ``--sweep``, which also times the default: ``ours_default_us``);
 - ``sdpa flash`` / ``sdpa cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` with that backend only, on
   q ``[B, Hq, n, D]`` and keys/values gathered densely ``[B, Hkv, L, D]`` (``enable_gqa=True``; ``is_causal`` for a
   chunk after nothing, ``causal_lower_right(n, L)`` after a context); ``n/a`` where the backend refuses;
@@ -34,11 +35,10 @@ from fastdeploy_ext.ops.paged_attention.launcher import DecodeConfig, PrefillCon
 MODELS = {"m1": (8, 1, 128), "qwen2": (28, 4, 128)}
 DECODE = [(1, 4096), (16, 32768), (64, 32768), (256, 8192), (16, 131072), (1, 1 << 20)]
 PREFILL = [(8192, 0), (8192, 32768), (8192, 131072), (2048, 0)]
-DECODE_SWEEP = [DecodeConfig(bn, w, s, None, pps) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)
-                for pps in (2, 4, 8)]
-PREFILL_SWEEP = [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 3), PrefillConfig(128, 64, 4, 3),
-                 PrefillConfig(128, 32, 4, 4), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 2),
-                 PrefillConfig(128, 64, 8, 4), PrefillConfig(64, 128, 4, 3), PrefillConfig(128, 128, 4, 2)]
+DECODE_SWEEP = [DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)]
+PREFILL_SWEEP = [PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 3),
+                 PrefillConfig(128, 64, 4, 3, True), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3, True),
+                 PrefillConfig(128, 64, 4, 4, True), PrefillConfig(128, 128, 8, 2, True), PrefillConfig(64, 64, 4, 4, True)]
 
 
 def copy_bandwidth():
@@ -97,7 +97,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def bench_decode(model, batch, length, page, bw, sweep, log):
+def bench_decode(model, batch, length, page, bw, sweep, log, once=False):
     from torch.nn.attention import SDPBackend
 
     heads, kv_heads, dim = MODELS[model]
@@ -111,6 +111,11 @@ def bench_decode(model, batch, length, page, bw, sweep, log):
     def ours(cfg):
         return lambda: paged_decode(q, kc, vc, table, lens, scale=scale, page_size=page, max_seq_len=length, out=out,
                                     config=cfg)
+    if once:
+        ours(None)()
+        ours(None)()
+        torch.cuda.synchronize()
+        return None
     configs = DECODE_SWEEP if sweep else [DecodeConfig()]
     results = [(timed(ours(cfg), rep=50 if sweep else 200), cfg) for cfg in configs]
     best_us, best = min((r for r in results if r[0] is not None), key=lambda r: r[0])
@@ -133,7 +138,7 @@ def bench_decode(model, batch, length, page, bw, sweep, log):
     return row
 
 
-def bench_prefill(model, n, ctx, page, rate, sweep, log):
+def bench_prefill(model, n, ctx, page, rate, sweep, log, once=False):
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.bias import causal_lower_right
 
@@ -149,18 +154,23 @@ def bench_prefill(model, n, ctx, page, rate, sweep, log):
     flops = 4 * heads * dim * (n * ctx + n * (n + 1) / 2)
 
     def ours(cfg):
-        return lambda: paged_prefill(q, kc, vc, table, cu, ctx_t, scale=scale, page_size=page, max_q_len=n, out=out,
-                                     config=cfg)
-    configs = PREFILL_SWEEP if sweep else [PrefillConfig()]
+        return lambda: paged_prefill(q, kc, vc, table, cu, ctx_t, scale=scale, page_size=page, max_q_len=n,
+                                     max_ctx_len=ctx, out=out, config=cfg)
+    if once:
+        ours(None)()
+        ours(None)()
+        torch.cuda.synchronize()
+        return None
+    configs = PREFILL_SWEEP if sweep else [None]
     results = [(timed(ours(cfg), rep=60 if sweep else 100), cfg) for cfg in configs]
     best_us, best = min((r for r in results if r[0] is not None), key=lambda r: r[0])
-    default_us = results[0][0] if not sweep else timed(ours(PrefillConfig()), rep=100)
+    default_us = results[0][0] if not sweep else timed(ours(None), rep=100)
     ours(best)()
     qd = q.transpose(0, 1)[None]
     kd, vd = dense(kc, table, page, total), dense(vc, table, page, total)
     mask = dict(is_causal=True) if ctx == 0 else dict(attn_mask=causal_lower_right(n, total))
     row = dict(kind="prefill", model=model, n=n, ctx=ctx, page=page, flops=flops, floor_us=flops / rate * 1e6,
-               ours_us=best_us, ours_default_us=default_us, config=dataclasses.asdict(best))
+               ours_us=best_us, ours_default_us=default_us, config=best and dataclasses.asdict(best))
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         fn = sdpa(backend, qd, kd, vd, **mask)
         row[f"sdpa_{name}_us"] = timed(fn, rep=100)
@@ -187,7 +197,19 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode", nargs="*", default=None, help="B x L cases, e.g. 1x4096 (default: the issue's)")
+    ap.add_argument("--prefill", nargs="*", default=None, help="n:ctx cases, e.g. 8192:0 (default: the issue's)")
+    ap.add_argument("--once", action="store_true", help="run our kernels twice per case, untimed (for ncu)")
     args = ap.parse_args()
+    decode_cases = DECODE if args.decode is None else [tuple(int(x) for x in c.split("x")) for c in args.decode]
+    prefill_cases = PREFILL if args.prefill is None else [tuple(int(x) for x in c.split(":")) for c in args.prefill]
+    if args.once:
+        for model in args.models:
+            for batch, length in decode_cases:
+                bench_decode(model, batch, length, args.page, None, False, None, once=True)
+            for n, ctx in prefill_cases:
+                bench_prefill(model, n, ctx, args.page, None, False, None, once=True)
+        return
     t0 = time.time()
     bw, rate = copy_bandwidth(), matmul_rate()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul "
@@ -203,11 +225,11 @@ def main():
 
     for model in args.models:
         if args.only in (None, "decode"):
-            for batch, length in DECODE:
+            for batch, length in decode_cases:
                 bench_decode(model, batch, length, args.page, bw, args.sweep, log)
                 torch.cuda.empty_cache()
         if args.only in (None, "prefill"):
-            for n, ctx in PREFILL:
+            for n, ctx in prefill_cases:
                 bench_prefill(model, n, ctx, args.page, rate, args.sweep, log)
                 torch.cuda.empty_cache()
     print(f"\n{'case':<34}{'floor':>9}{'ours':>9}{'x floor':>8}{'flash':>9}{'cudnn':>9}  (us; prefill TFLOP/s)")

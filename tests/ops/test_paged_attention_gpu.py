@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from fastdeploy_ext.ops.paged_attention import DecodeConfig, paged_decode, paged_prefill  # noqa: E402
+from fastdeploy_ext.ops.paged_attention import DecodeConfig, PrefillConfig, paged_decode, paged_prefill  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -82,15 +82,16 @@ def test_prefill_chunks_after_context(dtype, heads, kv_heads, page):
     kc, vc, table = paged_setup(2, [n + c for n, c in chunks], heads, kv_heads, 128, page, dtype)
     q = torch.randn(sum(q_lens), heads, 128, device="cuda").to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    paged_prefill(q, kc, vc, table, cu, torch.tensor(ctx, dtype=torch.int32, device="cuda"), scale=128 ** -0.5,
-                  page_size=page, max_q_len=max(q_lens), out=out)
-    assert not out.isnan().any()
     ref = dense_reference(q, kc, vc, table, page, q_lens, ctx, 128 ** -0.5)
-    r = 0
-    for n, c in chunks:
-        assert rel(out[r:r + n], ref[r:r + n]) < TOL[dtype], (n, c, rel(out[r:r + n], ref[r:r + n]))
-        r += n
+    for cfg in (None, PrefillConfig(tma=True), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3)):
+        out = torch.full_like(q, float("nan"))
+        paged_prefill(q, kc, vc, table, cu, torch.tensor(ctx, dtype=torch.int32, device="cuda"), scale=128 ** -0.5,
+                      page_size=page, max_q_len=max(q_lens), out=out, config=cfg)
+        assert not out.isnan().any()
+        r = 0
+        for n, c in chunks:
+            assert rel(out[r:r + n], ref[r:r + n]) < TOL[dtype], (cfg, n, c, rel(out[r:r + n], ref[r:r + n]))
+            r += n
 
 
 def test_mixed_step_in_one_output_under_cuda_graph():

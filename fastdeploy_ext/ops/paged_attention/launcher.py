@@ -37,26 +37,35 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """``block_m`` query rows of one head by ``block_n`` keys per step."""
+    """``block_m`` query rows of one head by ``block_n`` keys per step; ``tma``: the unmasked key tiles come by the
+    tensor-memory accelerator where a tile lies inside one page (``page_size % block_n == 0``), the head dim is a
+    power of two and the cache has fewer than 2**31 rows over all KV heads (otherwise plain loads)."""
 
     block_m: int = 128
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
 
-def default_prefill_config(dtype_name, head_dim, interpreter):
+def default_prefill_config(dtype_name, head_dim, interpreter, programs_128=None, num_sms=None, ctx_len=None,
+                           q_len=None):
+    """As measured fastest on an H200 at MiniMax-M1's and Qwen2-7B's shapes (docs/ops/paged_attention.md): 128 x 64
+    tiles on 4 warps, 3 stages; 64-row tiles where 128-row ones give fewer than 4 programs per SM and the chunk's
+    own causal triangle outweighs its context (the programs' unequal work then leaves SMs idle at the end)."""
     if interpreter:
         return PrefillConfig(32, 32, 4, 1)
     if dtype_name == "float32" or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2)
+    if programs_128 is not None and num_sms and programs_128 < 4 * num_sms and (ctx_len or 0) <= (q_len or 0):
+        return PrefillConfig(64, 64, 4, 3)
     return PrefillConfig()
 
 
 def decode_splits(batch, num_kv_heads, max_len, num_sms, config=DecodeConfig()):
     """``(split_len, num_splits)`` for a decode batch whose longest context is ``max_len`` tokens: one piece per
     (sequence, KV head) when they already give ``programs_per_sm`` programs per SM, else the context cut into
-    enough pieces (of at least ``min_split`` tokens) to do so. ``num_sms`` None (the CPU interpreter): one piece
+    as many pieces (of at least ``min_split`` tokens) as keep the programs within that one wave. ``num_sms`` None (the CPU interpreter): one piece
     unless ``config.split_len`` says otherwise."""
     bn = config.block_n
     max_len = max(int(max_len), 1)
@@ -65,7 +74,8 @@ def decode_splits(batch, num_kv_heads, max_len, num_sms, config=DecodeConfig()):
     elif num_sms is None:
         split_len = _cdiv(max_len, bn) * bn
     else:
-        splits = max(1, _cdiv(config.programs_per_sm * num_sms, max(batch * num_kv_heads, 1)))
+        # At most one wave of programs_per_sm programs per SM: 1.5 waves measured 1.2x slower than one.
+        splits = max(1, config.programs_per_sm * num_sms // max(batch * num_kv_heads, 1))
         split_len = max(_cdiv(_cdiv(max_len, splits), bn) * bn, _cdiv(config.min_split, bn) * bn)
     return split_len, _cdiv(max_len, split_len)
 
@@ -114,6 +124,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     group = num_heads // num_kv_heads
     d_pad = _next_pow2(head_dim)
     split = num_splits > 1
+    # The reduce launches while the decode kernel runs and waits for it (programmatic dependent launch, Hopper).
+    pdl = split and not interp and (ops.capability(q) or (0, 0)) >= (9, 0)
     part_o = ops.empty([batch, num_heads, num_splits, d_pad], "float32", q) if split else out
     part_lse = ops.empty([batch, num_heads, num_splits], "float32", q) if split else out
     ops.launch(tk._decode_kernel, (batch, num_kv_heads, num_splits),
@@ -122,16 +134,17 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
                 _s(out, 1), _s(block_tables, 0), num_heads, split_len, num_splits, float(scale) * tk.LOG2E],
                GROUP=group, G_PAD=max(16, _next_pow2(group)), PAGE=page_size, BLOCK_N=cfg.block_n, D=head_dim,
                D_PAD=d_pad, SPLIT=split, PAGE_TILES=page_size % cfg.block_n == 0, PRECISION=_precision(q, interp),
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+               PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         ops.launch(tk._reduce_kernel, (batch, num_heads),
                    [part_o, part_lse, out, seq_lens, _s(out, 0), _s(out, 1), num_heads, split_len, num_splits],
-                   D=head_dim, D_PAD=d_pad, S_BLOCK=min(64, max(16, _next_pow2(num_splits))), num_warps=4)
+                   D=head_dim, D_PAD=d_pad, S_BLOCK=min(64, max(16, _next_pow2(num_splits))), PDL=pdl, num_warps=4,
+                   **(dict(launch_pdl=True) if pdl else {}))
     return out
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, scale, page_size, max_q_len=None,
-                  out=None, config=None):
+                  max_ctx_len=None, out=None, config=None):
     """Varlen chunks attending to their cached context and to themselves, causally, bottom-right aligned: row ``i``
     of chunk ``b`` (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q``) is position ``ctx_lens[b] + i`` and sees
     positions ``0 .. ctx_lens[b] + i`` of its sequence, all read through ``block_tables[b]`` (the chunk's own keys
@@ -139,7 +152,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
     after a context; a batch may mix them with fresh prompts (``ctx_lens`` 0).
 
     ``q`` ``[T, Hq, D]``, caches and ``block_tables`` as for :func:`paged_decode`; ``cu_seqlens_q`` ``[B + 1]`` and
-    ``ctx_lens`` ``[B]`` int32/int64. ``max_q_len``: the longest chunk as a host int (default ``T``). ``out``
+    ``ctx_lens`` ``[B]`` int32/int64. ``max_q_len``: the longest chunk as a host int (default ``T``);
+    ``max_ctx_len``: the longest context as a host int, if known (only picks the default tiles). ``out``
     ``[T, Hq, D]`` of q's dtype: rows inside the chunks are overwritten, others left as they are."""
     ops = _ops_for(q)
     total, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
@@ -157,18 +171,33 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
     if batch == 0 or longest == 0:
         return out
     interp = launcher.interpreter_enabled()
-    cfg = config or default_prefill_config(_dtype_name(q), head_dim, interp)
+    cfg = config or default_prefill_config(_dtype_name(q), head_dim, interp, _cdiv(longest, 128) * num_heads * batch,
+                                           None if interp else ops.num_sms(q), max_ctx_len, longest)
     if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
         raise ValueError(f"{batch} chunks x {num_heads} heads exceed the grid's {_MAX_GRID_YZ}")
     tiles = _cdiv(longest, cfg.block_m)
+    page_tiles = page_size % cfg.block_n == 0
+    # TMA boxes: rows of a power-of-two width, int32 row coordinates over the [Hkv * rows, D] view.
+    tma = (cfg.tma and page_tiles and head_dim == _next_pow2(head_dim) and head_dim * q.element_size() >= 16
+           and int(k_cache.shape[0]) * int(k_cache.shape[1]) < 2**31)
+    k_desc, v_desc = (_row_desc(ops, c, cfg.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
     ops.launch(tk._prefill_kernel, (tiles, num_heads, batch),
-               [q, k_cache, v_cache, out, block_tables, cu_seqlens_q, ctx_lens,
+               [q, k_cache, v_cache, k_desc, v_desc, out, block_tables, cu_seqlens_q, ctx_lens,
                 _s(q, 0), _s(q, 1), _s(k_cache, 0), _s(k_cache, 1), _s(v_cache, 0), _s(v_cache, 1), _s(out, 0),
                 _s(out, 1), _s(block_tables, 0), tiles, float(scale) * tk.LOG2E],
                GROUP=num_heads // num_kv_heads, PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-               D=head_dim, D_PAD=_next_pow2(head_dim), PAGE_TILES=page_size % cfg.block_n == 0,
+               D=head_dim, D_PAD=_next_pow2(head_dim), PAGE_TILES=page_tiles, USE_TMA=tma,
                PRECISION=_precision(q, interp), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _row_desc(ops, cache, block_n):
+    """TMA descriptor over a cache viewed as ``[Hkv * rows, D]``, one ``[block_n, D]`` box per load."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = int(cache.shape[0]) * int(cache.shape[1])
+    dim = int(cache.shape[2])
+    return TensorDescriptor(ops.desc_base(cache), [rows, dim], [dim, 1], [block_n, dim])
 
 
 def _precision(q, interp):
@@ -240,10 +269,38 @@ def _check_tensor(ops, t, name, like):
 
 def _ops_for(q):
     if launcher.is_paddle_tensor(q):
-        return launcher.PaddleOps()
+        return _PaddleOps()
     if type(q).__module__.startswith("torch"):
         return _TorchOps()
     raise ValueError(f"q must be a torch.Tensor or paddle.Tensor, got {type(q).__name__}")
+
+
+class _PaddleOps(launcher.PaddleOps):
+    def desc_base(self, t):
+        # A descriptor's base is no top-level argument, so PaddleOps.launch cannot swap it for a torch view, and
+        # TensorDescriptor reads dtype.itemsize, which Paddle dtypes lack: a zero-copy torch view, or without torch
+        # a stand-in with the tensor's address and dtype (as ops/fused_moe/launcher.py does).
+        if launcher.torch_installed():
+            import torch
+
+            return torch.from_dlpack(t)
+        return _PaddleBase(t)
+
+
+class _PaddleBase:
+    def __init__(self, t):
+        self.tensor, self.dtype = t, _PaddleDtype(t.dtype, t.element_size())
+
+    def data_ptr(self):
+        return self.tensor.data_ptr()
+
+
+class _PaddleDtype:
+    def __init__(self, dtype, itemsize):
+        self.dtype, self.itemsize = dtype, itemsize
+
+    def __str__(self):
+        return str(self.dtype)
 
 
 class _TorchOps:
@@ -253,6 +310,14 @@ class _TorchOps:
         import torch
 
         self.torch = torch
+
+    def desc_base(self, t):
+        return t
+
+    def capability(self, t):
+        if not self.is_cuda(t) or launcher.interpreter_enabled():
+            return None
+        return tuple(self.torch.cuda.get_device_capability(t.device))
 
     def owns(self, t):
         return isinstance(t, self.torch.Tensor)

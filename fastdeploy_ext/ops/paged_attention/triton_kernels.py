@@ -6,13 +6,17 @@ online softmax runs on ``exp2``; maxima, sums and accumulators are float32 whate
 - ``_decode_kernel``: one program per (sequence, KV head, split of the context); the group's query heads are the
   rows of one MMA (padded to 16), so each key and value row is read once for all of them. With one split the
   program writes the output; otherwise each split writes its normalised partial output and log-sum-exp (base 2).
-- ``_reduce_kernel``: one program per (sequence, query head) combines the splits that hold tokens.
+- ``_reduce_kernel``: one program per (sequence, query head) combines the splits that hold tokens. With ``PDL``
+  (Hopper, not the interpreter) it is launched while the decode kernel runs and waits for it in ``gdc_wait``.
 - ``_prefill_kernel``: one program per (query tile, query head, sequence). Keys below the tile's first row's
-  position are visible to every row: that loop has no mask. The rest (the tile's diagonal) is masked by position.
+  position are visible to every row: that loop has no mask, and with ``USE_TMA`` (a tile inside one page) reads its
+  keys and values by the tensor-memory accelerator. The rest (the tile's diagonal) is masked by position and read
+  with masked loads, so rows past the sequence are never used, whatever they hold.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 
@@ -34,7 +38,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_pt
                    num_heads, split_len, num_splits, scale_log2e,
                    GROUP: tl.constexpr, G_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, SPLIT: tl.constexpr, PAGE_TILES: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -66,11 +72,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_pt
         rows = _kv_rows(bt_row, pos, valid, n, PAGE, PAGE_TILES)
         k = tl.load(k_base + rows[:, None] * stride_kr + offs_d[None, :], mask=valid[:, None] & d_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=valid[:, None] & d_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2e)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        p = tl.exp2(qk * scale_log2e - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -84,7 +90,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_pt
 
 @triton.jit
 def _reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, stride_ob, stride_oh, num_heads, split_len,
-                   num_splits, D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr):
+                   num_splits, D: tl.constexpr, D_PAD: tl.constexpr, S_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(lens_ptr + b)
@@ -113,9 +121,9 @@ def _reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, stride_ob, strid
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, n, kv_end, offs_m, ctx, offs_d, stride_kr, stride_vr,
-                 scale_log2e, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILES: tl.constexpr,
-                 MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n, kv_end, offs_m, ctx, offs_d,
+                 stride_kr, stride_vr, scale_log2e, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGE_TILES: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile ``[n, n + BLOCK_N)`` of the online softmax; ``MASKED``: the tile reaches the diagonal or
     ``kv_end``, so positions are compared."""
     pos = n + tl.arange(0, BLOCK_N)
@@ -125,28 +133,34 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, n, kv_end, offs_m, ct
         rows = _kv_rows(bt_row, pos, valid, n, PAGE, PAGE_TILES)
         k = tl.load(k_base + rows[:, None] * stride_kr + offs_d[None, :], mask=valid[:, None] & d_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=valid[:, None] & d_mask, other=0.0)
+    elif USE_TMA:
+        # Rows of the [Hkv * rows, D] view; the host checked they fit the descriptor's int32 coordinates.
+        row = (desc_row0 + tl.load(bt_row + n // PAGE) * PAGE + n % PAGE).to(tl.int32)
+        k = k_desc.load([row, 0])
+        v = v_desc.load([row, 0])
     else:
         rows = _kv_rows(bt_row, pos, pos >= 0, n, PAGE, PAGE_TILES)
         k = tl.load(k_base + rows[:, None] * stride_kr + offs_d[None, :], mask=d_mask, other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vr + offs_d[None, :], mask=d_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         seen = (pos[None, :] <= ctx + offs_m[:, None]) & (pos < kv_end)[None, :]
         qk = tl.where(seen, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2e)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * scale_log2e - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
                     stride_qt, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ot, stride_oh, stride_bt,
                     num_tiles, scale_log2e,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    D: tl.constexpr, D_PAD: tl.constexpr, PAGE_TILES: tl.constexpr, PRECISION: tl.constexpr):
+                    D: tl.constexpr, D_PAD: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
+                    PRECISION: tl.constexpr):
     # The last tiles of a chunk see the most keys: they start first.
     tile = num_tiles - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -166,6 +180,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    desc_row0 = kvh * (stride_kh // stride_kr)
     kv_end = ctx + tl.minimum(m0 + BLOCK_M, q_len)
     # Row m0 sees positions [0, ctx + m0]: whole tiles below that need no mask.
     full_end = (ctx + m0 + 1) // BLOCK_N * BLOCK_N
@@ -173,10 +188,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     for n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, n, kv_end, offs_m, ctx, offs_d,
-                                     stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N, PAGE_TILES, False, PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n, kv_end,
+                                     offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N,
+                                     PAGE_TILES, False, USE_TMA, PRECISION)
     for n in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, bt_row, n, kv_end, offs_m, ctx, offs_d,
-                                     stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N, PAGE_TILES, True, PRECISION)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n, kv_end,
+                                     offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N,
+                                     PAGE_TILES, True, False, PRECISION)
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qd_mask)

@@ -29,13 +29,15 @@ import time
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from fastdeploy_ext.ops.paged_attention.launcher import DecodeConfig, PrefillConfig, decode_splits, paged_decode, \
-    paged_prefill
+from fastdeploy_ext.ops.paged_attention.launcher import DecodeConfig, PrefillConfig, decode_splits, \
+    default_decode_config, paged_decode, paged_prefill
 
 MODELS = {"m1": (8, 1, 128), "qwen2": (28, 4, 128)}
 DECODE = [(1, 4096), (16, 32768), (64, 32768), (256, 8192), (16, 131072), (1, 1 << 20)]
 PREFILL = [(8192, 0), (8192, 32768), (8192, 131072), (2048, 0)]
-DECODE_SWEEP = [DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)]
+DECODE_SWEEP = ([DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)]
+                + [DecodeConfig(128, 4, 2, None, 2, 128), DecodeConfig(128, 4, 2, None, 2, 64),
+                   DecodeConfig(64, 4, 2, None, 4, 128), DecodeConfig(64, 4, 2, None, 4, 64)])
 PREFILL_SWEEP = [PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 3),
                  PrefillConfig(128, 64, 4, 3, True), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3, True),
                  PrefillConfig(128, 64, 4, 4, True), PrefillConfig(128, 128, 8, 2, True), PrefillConfig(64, 64, 4, 4, True)]
@@ -116,13 +118,14 @@ def bench_decode(model, batch, length, page, bw, sweep, log, once=False):
         ours(None)()
         torch.cuda.synchronize()
         return None
-    configs = DECODE_SWEEP if sweep else [DecodeConfig()]
+    configs = DECODE_SWEEP if sweep else [None]
     results = [(timed(ours(cfg), rep=50 if sweep else 200), cfg) for cfg in configs]
     best_us, best = min((r for r in results if r[0] is not None), key=lambda r: r[0])
-    default_us = results[0][0] if not sweep else timed(ours(DecodeConfig()))
+    default_us = results[0][0] if not sweep else timed(ours(None))
     ours(best)()
     kd, vd = dense(kc, table, page, length), dense(vc, table, page, length)
     qd = q[:, :, None, :]
+    best = best or default_decode_config(batch, kv_heads, torch.cuda.get_device_properties().multi_processor_count)
     row = dict(kind="decode", model=model, batch=batch, length=length, page=page,
                floor_us=batch * length * kv_heads * dim * 2 * 2 / bw * 1e6, ours_us=best_us, ours_default_us=default_us,
                config=dataclasses.asdict(best), splits=decode_splits(batch, kv_heads, length, 132, best)[1])

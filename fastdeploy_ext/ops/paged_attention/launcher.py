@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from fastdeploy_ext.ops.lightning_attn import launcher
 from fastdeploy_ext.ops.paged_attention import triton_kernels as tk
 
-__all__ = ["DecodeConfig", "PrefillConfig", "decode_splits", "decode_workspace_bytes", "paged_decode",
-           "paged_prefill"]
+__all__ = ["DecodeConfig", "PrefillConfig", "decode_splits", "decode_workspace_bytes", "default_decode_config",
+           "default_prefill_config", "paged_decode", "paged_prefill"]
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _INDEX_DTYPES = ("int32", "int64")
@@ -27,12 +27,21 @@ class DecodeConfig:
     ``block_n``; default: :func:`decode_splits`), each its own program, when one program per (sequence, KV head)
     would leave the GPU idle. ``programs_per_sm``/``min_split``: the default's aim and its shortest piece."""
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
     split_len: int | None = None
-    programs_per_sm: int = 4
+    programs_per_sm: int = 2
     min_split: int = 256
+
+
+def default_decode_config(batch, num_kv_heads, num_sms):
+    """As measured fastest on an H200 (docs/ops/paged_attention.md): 128-key tiles, two programs per SM (their
+    two-stage K/V buffers fill the shared memory), the context split to fill that one wave; where the sequences'
+    KV heads alone give 4 programs per SM, 64-key tiles on 3 stages (four resident per SM), unsplit."""
+    if num_sms and batch * num_kv_heads >= 4 * num_sms:
+        return DecodeConfig(64, 4, 3, None, 4)
+    return DecodeConfig()
 
 
 @dataclass(frozen=True)
@@ -45,18 +54,19 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = False
+    tma: bool = True
 
 
 def default_prefill_config(dtype_name, head_dim, interpreter, programs_128=None, num_sms=None, ctx_len=None,
                            q_len=None):
     """As measured fastest on an H200 at MiniMax-M1's and Qwen2-7B's shapes (docs/ops/paged_attention.md): 128 x 64
-    tiles on 4 warps, 3 stages; 64-row tiles where 128-row ones give fewer than 4 programs per SM and the chunk's
-    own causal triangle outweighs its context (the programs' unequal work then leaves SMs idle at the end)."""
+    tiles on 4 warps, 3 stages, keys and values by TMA; 64-row tiles where 128-row ones give fewer than 4 programs
+    per SM and the chunk's own causal triangle outweighs its context (the programs' unequal work then leaves SMs
+    idle at the end)."""
     if interpreter:
-        return PrefillConfig(32, 32, 4, 1)
+        return PrefillConfig(32, 32, 4, 1, False)
     if dtype_name == "float32" or head_dim > 128:
-        return PrefillConfig(64, 32, 4, 2)
+        return PrefillConfig(64, 32, 4, 2, False)
     if programs_128 is not None and num_sms and programs_128 < 4 * num_sms and (ctx_len or 0) <= (q_len or 0):
         return PrefillConfig(64, 64, 4, 3)
     return PrefillConfig()
@@ -80,8 +90,9 @@ def decode_splits(batch, num_kv_heads, max_len, num_sms, config=DecodeConfig()):
     return split_len, _cdiv(max_len, split_len)
 
 
-def decode_workspace_bytes(batch, num_heads, num_kv_heads, head_dim, max_len, num_sms, config=DecodeConfig()):
+def decode_workspace_bytes(batch, num_heads, num_kv_heads, head_dim, max_len, num_sms, config=None):
     """Bytes of float32 partial outputs and log-sum-exps a decode of this size allocates (0 with one split)."""
+    config = config or default_decode_config(batch, num_kv_heads, num_sms)
     _, splits = decode_splits(batch, num_kv_heads, max_len, num_sms, config)
     return 0 if splits == 1 else batch * num_heads * splits * (_next_pow2(head_dim) + 1) * 4
 
@@ -114,9 +125,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     out = _check_out(ops, out, q)
     if batch == 0:
         return out
-    cfg = config or DecodeConfig()
     interp = launcher.interpreter_enabled()
-    split_len, num_splits = decode_splits(batch, num_kv_heads, max_len, None if interp else ops.num_sms(q), cfg)
+    num_sms = None if interp else ops.num_sms(q)
+    cfg = config or default_decode_config(batch, num_kv_heads, num_sms)
+    split_len, num_splits = decode_splits(batch, num_kv_heads, max_len, num_sms, cfg)
     if split_len % cfg.block_n:
         raise ValueError(f"config.split_len {split_len} must be a multiple of block_n {cfg.block_n}")
     if num_kv_heads > _MAX_GRID_YZ or num_splits > _MAX_GRID_YZ:

@@ -57,8 +57,10 @@ def read_json(path: str, what: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{what} is not valid JSON ({path}): {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is nested too deeply to be a configuration ({path})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} must hold a JSON object: {path}")
     return data

@@ -211,7 +211,9 @@ def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool 
     check = load if check_checkpoint is None else check_checkpoint
     with paddle.no_grad():
         if not load:
-            # Lazy: no weight memory, so the model's own shape and divisibility errors may come first.
+            # Lazy: no weight memory, so the model's own shape and divisibility errors may come first (after
+            # the implied sizes are known to fit Paddle's int32 shapes).
+            check_checkpoint_shapes(fd_config.load_config.model_path, compare=False)
             with paddle.LazyGuard():
                 model = model_cls(fd_config)
             _check_skip_entries(model, fd_config.quant_config)
@@ -229,12 +231,34 @@ def build_model(model_cls, fd_config, load: bool = True, check_checkpoint: bool 
         return model
 
 
-def check_checkpoint_shapes(model_dir: str) -> None:
-    from fastdeploy_ext.model_loader.shapes import config_tensor_shapes
-    from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating
+def check_checkpoint_shapes(model_dir: str, compare: bool = True) -> None:
+    """The tensors config.json implies, bounded by the checkpoint's own tensor count before they are built,
+    each dimension within Paddle's int32 shapes, and (``compare``) against the safetensors headers."""
+    from fastdeploy_ext.layers.utils import WeightLoadError
+    from fastdeploy_ext.model_loader.safetensors_loader import check_shapes_before_allocating, checkpoint_layout
+    from fastdeploy_ext.model_loader.shapes import check_dims, config_tensor_shapes
 
-    expected = config_tensor_shapes(load_hf_config(model_dir))
-    if expected is not None:
+    try:
+        held = sum(len(specs) for _, specs in checkpoint_layout(model_dir))
+    except WeightLoadError:
+        if compare:
+            raise
+        held = None  # a config without weights (shape planning): a fixed bound instead
+    # 64 per tensor held: room for layouts that fuse a layer's experts into a few tensors
+    limit = 64 * held + 4096 if held is not None else 1_000_000
+    try:
+        expected = config_tensor_shapes(load_hf_config(model_dir), max_tensors=limit)
+    except ValueError as e:
+        by = f" by a checkpoint of {held} tensors" if held is not None else ""
+        raise WeightLoadError(f"{model_dir}: {e}{by}; refusing to build shapes for layers the checkpoint does not "
+                              "have") from None
+    if expected is None:
+        return
+    try:
+        check_dims(expected)
+    except ValueError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None
+    if compare:
         check_shapes_before_allocating(model_dir, expected)
 
 

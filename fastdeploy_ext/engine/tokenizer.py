@@ -12,12 +12,15 @@ character instead of the whole output.
 
 import json
 import logging
+import math
 import os
 from functools import lru_cache
 
+import jinja2
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.engine.template_sandbox import compile_template, render
 
 logger = logging.getLogger("fastdeploy_ext")
@@ -36,11 +39,47 @@ def _read_json(path: str, required: bool) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a configuration") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _check_template_syntax(template, where: str) -> None:
+    """A chat template that does not parse is refused when the folder is loaded, not at the first chat request."""
+    for name, source in (template.items() if isinstance(template, dict) else [(None, template)]):
+        if source is None:
+            continue
+        try:
+            _compile_chat_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            label = where if name is None else f"{where} (template {name!r})"
+            raise ConfigError(f"{label}: syntax error at line {e.lineno}: {e.message}") from None
+
+
+def _check_generation_config(gen: dict, where: str, vocab_size: int) -> None:
+    """Values of generation_config.json the engine uses: each in range, or a ConfigError naming the key."""
+    for key in ("max_new_tokens", "max_length"):
+        value = gen.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31):
+            raise ConfigError(f"{where}: {key!r} must be a positive int below 2**31, got {value!r}")
+    value = gen.get("eos_token_id")
+    for i in (value if isinstance(value, list) else [] if value is None else [value]):
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ConfigError(f"{where}: 'eos_token_id' holds {i!r}, not a token id of the tokenizer [0, {vocab_size})")
+    for key, low, high in (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("repetition_penalty", 0.0, None)):
+        value = gen.get(key)
+        if value is None:
+            continue
+        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        if bad or value < low or (high is not None and value > high) or (key != "temperature" and value == low):
+            raise ConfigError(f"{where}: {key!r} is {value!r}, out of range")
+    top_k = gen.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ConfigError(f"{where}: 'top_k' must be an int >= 0, got {top_k!r}")
 
 
 def _parse_token(value, where: str) -> AddedToken | None:
@@ -189,12 +228,17 @@ class Tokenizer:
         try:
             backend = _BackendTokenizer.from_file(tokenizer_file)
         except Exception as e:  # the Rust loader raises a bare Exception for every parse error
-            raise ValueError(f"{tokenizer_file} cannot be loaded by `tokenizers`: {e}") from e
+            raise ConfigError(f"{tokenizer_file} cannot be loaded by `tokenizers`: {e}") from None
         config = _read_json(os.path.join(path, "tokenizer_config.json"), required=True)
         generation_config = _read_json(os.path.join(path, "generation_config.json"), required=False)
         tokenizer = cls(backend, config, generation_config, path)
         if (templates := _read_chat_template_files(path)) is not None:
             tokenizer.chat_template = templates
+            _check_template_syntax(templates, f"{path}/chat_template.jinja")
+        else:
+            _check_template_syntax(tokenizer.chat_template, f"{path}/tokenizer_config.json: 'chat_template'")
+        if generation_config is not None:
+            _check_generation_config(generation_config, f"{path}/generation_config.json", tokenizer.vocab_size)
         return tokenizer
 
     def _register_added_tokens(self, added_tokens_decoder: dict, where: str) -> None:

@@ -161,9 +161,43 @@ _SHAPES = {
 }
 
 
-def config_tensor_shapes(raw: dict) -> dict[str, tuple] | None:
+def _count(raw, key: str) -> int:
+    value = raw.get(key, 0) if isinstance(raw, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def implied_tensor_count(raw: dict) -> int:
+    """A lower bound on the tensors a config.json implies, from its layer and expert counts alone (nothing built
+    per layer): every decoder layer holds at least its 2 norms and 4 attention projections (a MoE layer also
+    3 per expert), every encoder block 12 tensors."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    layers = _count(text, "num_hidden_layers")
+    per_layer = 6 + 3 * _count(text, "num_local_experts")
+    encoder = raw.get("audio_encoder_config") if isinstance(raw.get("audio_encoder_config"), dict) else {}
+    return layers * per_layer + 12 * _count(encoder, "depth")
+
+
+def config_tensor_shapes(raw: dict, max_tensors: int | None = None) -> dict[str, tuple] | None:
     """Checkpoint tensor name -> shape implied by a config.json dict (None for an architecture the planner
-    does not know)."""
+    does not know). ``max_tensors``: refuse (ValueError) before building anything a config whose layer and
+    expert counts imply more tensors than that (``num_hidden_layers: 10000000`` over a 560 KB checkpoint)."""
     archs = raw.get("architectures") or ["?"]
     derive = _SHAPES.get(archs[0]) if isinstance(archs, list) and isinstance(archs[0], str) else None
-    return None if derive is None else {t.name: t.shape for t in derive(raw).tensors}
+    if derive is None:
+        return None
+    if max_tensors is not None and implied_tensor_count(raw) > max_tensors:
+        raise ValueError(f"config.json implies at least {implied_tensor_count(raw):,} tensors (its layer and expert "
+                         f"counts), more than the {max_tensors:,} allowed")
+    return {t.name: t.shape for t in derive(raw).tensors}
+
+
+# Paddle creates parameters from int32 shape entries: a dimension of 2**31 or more is an IndexError deep in Paddle.
+MAX_DIM = 2**31 - 1
+
+
+def check_dims(expected: dict[str, tuple]) -> None:
+    """ValueError naming the first implied tensor with a dimension Paddle cannot index (2**31 or more)."""
+    for name, shape in expected.items():
+        if any(d > MAX_DIM for d in shape):
+            raise ValueError(f"config.json implies '{name}' of shape {list(shape)}: a dimension of 2**31 or more "
+                             "(Paddle indexes shapes with int32)")

@@ -530,6 +530,9 @@ def main(argv=None) -> int:
         return 0
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # before any output was ready (loading, warm-up): nothing to show
+        print("interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # the reader went away (`plan --json | head`): nothing more to say, and nothing left to flush
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

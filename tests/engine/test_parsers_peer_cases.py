@@ -101,7 +101,8 @@ MINIMAX = {
     # DIFFERS: vLLM strips the space before the block ("...weather."); a stream cannot know, when it sends
     # that space, that a block follows, and streaming and non-streaming must agree.
     "content_before": ("I'll help you check the weather. <tool_calls>\n{\"name\": \"get_current_weather\", "
-                       "\"arguments\": {\"city\": \"Seattle\", \"state\": \"WA\", \"unit\": \"celsius\"}}\n</tool_calls>",
+                       "\"arguments\": {\"city\": \"Seattle\", \"state\": \"WA\", \"unit\": \"celsius\"}}\n"
+                       "</tool_calls>",
                        "I'll help you check the weather. ",
                        [("get_current_weather", _args({"city": "Seattle", "state": "WA", "unit": "celsius"}))]),
     "block_never_closed": ('<tool_calls>\n{"name": "get_current_weather", "arguments": {"city": "Boston", '
@@ -117,7 +118,8 @@ MINIMAX = {
                                   '{"name": "missing_args"}\n{"arguments": {"city": "Portland"}}\n'
                                   '{"name": "another_valid_tool", "arguments": {"param": "value"}}\n</tool_calls>',
                                   '{"name": "missing_args"}\n{"arguments": {"city": "Portland"}}\n',
-                                  [("valid_tool", '{"city": "Seattle"}'), ("another_valid_tool", '{"param": "value"}')]),
+                                  [("valid_tool", '{"city": "Seattle"}'),
+                                   ("another_valid_tool", '{"param": "value"}')]),
     # vLLM: calls inside <think> are not calls, the think section stays content when no reasoning parser runs.
     "inside_think": ('<think>I should use a tool. <tool_calls>\n{"name": "ignored_tool", "arguments": {"should": '
                      '"ignore"}}\n</tool_calls></think>\n\nLet me help you with the weather. <tool_calls>\n'
@@ -142,7 +144,8 @@ HERMES = {
     "single": ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA"}}\n'
                '</tool_call>', None, [("get_current_temperature", '{"location": "San Francisco, CA"}')]),
     "two_blocks_and_text": ('Sure!\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
-                            '{"name": "b", "arguments": {}}\n</tool_call>', "Sure!\n\n", [("a", '{"x": 1}'), ("b", "{}")]),
+                            '{"name": "b", "arguments": {}}\n</tool_call>', "Sure!\n\n",
+                            [("a", '{"x": 1}'), ("b", "{}")]),
     "no_closing_tag": ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}', None, [("a", '{"x": 1}')]),
     # The case: a call cut off before its object closes is content in both modes (vLLM streams a call
     # with partial arguments and answers the same text non-streaming as content).
@@ -198,7 +201,8 @@ M1_REASONING = {
     # DIFFERS: vLLM answers an unclosed section as content non-streaming and as reasoning streaming; here
     # both are reasoning (the output was cut off while thinking).
     "only_open_tag": ("<think>\nThis is a reasoning section", False, ("This is a reasoning section", None)),
-    "period": ("<think>\nHTML换行可以用<br>。\n</think>\nHTML用<br>换行", False, ("HTML换行可以用<br>。", "HTML用<br>换行")),
+    "period": ("<think>\nHTML换行可以用<br>。\n</think>\nHTML用<br>换行", False,
+               ("HTML换行可以用<br>。", "HTML用<br>换行")),
     # The case: the prompt opened <think> and the model writes it again.
     "repeated_open_tag": ("<think>This is a reasoning section</think>answer", True,
                           ("This is a reasoning section", "answer")),

@@ -55,7 +55,8 @@ GENERATE_MISTAKES = {
     "second_prompt_empty": (["--prompt", "hi", "--prompt", ""], "--prompt #2 is empty"),
     "zero_max_tokens": (["--prompt", "hi", "--max-tokens", "0"], "argument --max-tokens: must be >= 1"),
     "not_a_number": (["--prompt", "hi", "--temperature", "warm"], "invalid float value: 'warm'"),
-    "unknown_flag": (["--prompt", "hi", "--temprature", "1"], "unrecognized argument: --temprature; did you mean --temperature?"),
+    "unknown_flag": (["--prompt", "hi", "--temprature", "1"],
+                     "unrecognized argument: --temprature; did you mean --temperature?"),
     "bad_choice": (["--prompt", "hi", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     "top_p_above_one": (["--prompt", "hi", "--top-p", "1.5"], "--top-p: must be in [0, 1]"),
     "bf16_on_cpu": (["--prompt", "hi", "--dtype", "bfloat16", "--device", "cpu"],
@@ -266,7 +267,8 @@ def test_triton_kernels_without_triton_name_the_extra(tmp_path):
     r = subprocess.run(["timeout", "300", sys.executable, "-c", code, "generate", "--model", d, "--prompt", "hi",
                         "--backend", "device", "--max-tokens", "2", "--no-tqdm"], capture_output=True, text=True,
                        env=env, timeout=310)
-    assert_user_error(r, 'FDEXT_LIGHTNING_KERNELS=triton needs Triton, which is not installed: pip install -e ".[triton]"')
+    assert_user_error(r, 'FDEXT_LIGHTNING_KERNELS=triton needs Triton, which is not installed: '
+                         'pip install -e ".[triton]"')
 
 
 def test_ctrl_c_on_generate_prints_what_finished(tiny_qwen2_dir):
@@ -292,3 +294,15 @@ def test_ctrl_c_on_generate_prints_what_finished(tiny_qwen2_dir):
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr
     assert r.stdout.count("--- request ") == 1 and "prompt:     'a'" in r.stdout
     assert r.stderr.strip().splitlines()[-1] == "interrupted: 1 of 2 request(s) had finished (printed above)"
+
+
+def test_llm_warm_up_says_what_it_does(tiny_qwen2_dir, caplog):
+    """The CPU warm-up takes seconds: it is logged (and shown on a terminal when logging is quiet)."""
+    import logging
+
+    from fastdeploy_ext import LLM
+
+    with caplog.at_level(logging.INFO, logger="fastdeploy_ext"):
+        with LLM(model=tiny_qwen2_dir, max_model_len=64, max_num_seqs=2):
+            pass
+    assert any(r.getMessage().startswith("warming up: one dummy prefill") for r in caplog.records)

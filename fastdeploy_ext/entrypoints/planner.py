@@ -14,7 +14,11 @@ compute dtype, as the engine allocates its pages); the state pool is ``[n_linear
 head_dim]`` per sequence in max(float32, compute dtype); with prefix caching a hybrid model also holds
 ``num_prefix_snapshots`` snapshots of that size (engine/prefix_cache.py). The activation peak is an estimate of
 one ``max_num_batched_tokens`` step (hidden states, the widest per-rank intermediate, lightning intermediates and
-gathered logits in max(float32, compute dtype)), not a measurement.
+gathered logits in max(float32, compute dtype)), not a measurement. Softmax attention's working memory is counted
+beside it (:func:`attention_memory`): on a GPU in bf16/fp16 the paged kernels' outputs, tables and split-KV
+partials; on the Paddle-op path (float32 on a GPU, ``FDEXT_ATTENTION_KERNELS=paddle``, a CPU's device backend) the
+additive mask, gathered context and scores of a ``max_num_batched_tokens`` chunk at the end of a ``max_model_len``
+sequence, or of ``max_num_seqs`` decodes gathered to that length, whichever is larger.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from fastdeploy_ext.config.base import ConfigError, divide, read_json
 from fastdeploy_ext.entrypoints.deploy_config import DeployConfig
 from fastdeploy_ext.model_loader.shapes import _SHAPES, ModelShape, Tensor
+from fastdeploy_ext.ops.paged_attention.configs import decode_workspace_bytes
+from fastdeploy_ext.ops.paged_attention.selection import KERNELS_ENV, select_attention_impl
 from fastdeploy_ext.quantization import check_weight_only_gpu, resolve_quant_config
 
 GiB = 2**30
@@ -128,6 +134,8 @@ class Plan:
     reason: str = ""
     num_snapshots: int = 0
     snapshot_pool: int = 0
+    attention: int = 0
+    attention_note: str = ""
 
     def table(self) -> str:
         c, s = self.cfg, self.shape
@@ -155,6 +163,7 @@ class Plan:
         lines += [
             f"activation     ~{_fmt(self.activation)} peak (estimate, one step of "
             f"{_batched_tokens(c)} tokens)",
+            f"attention      {_fmt(self.attention)} ({self.attention_note})",
             f"KV pool/rank   {_fmt(self.kv_pool)} = {self.kv_pool // max(self.kv_bytes_per_token, 1):,} tokens",
             f"at length {self.length:,}: {_fmt(self.length * self.kv_bytes_per_token + self.state_bytes_per_seq)}"
             f"/sequence/rank -> largest max_num_seqs = {self.max_seqs_at_length} (config: {c.max_num_seqs})",
@@ -166,7 +175,8 @@ class Plan:
         return {k: getattr(self, k) for k in ("weights", "weight_breakdown", "kv_bytes_per_token",
                                               "kv_bytes_per_token_tp1", "state_bytes_per_seq", "state_pool",
                                               "activation", "kv_pool", "budget", "length", "max_seqs_at_length",
-                                              "fits", "reason", "num_snapshots", "snapshot_pool")}
+                                              "fits", "reason", "num_snapshots", "snapshot_pool", "attention",
+                                              "attention_note")}
 
 
 def _fmt(n: float) -> str:
@@ -226,6 +236,36 @@ def _batched_tokens(cfg: DeployConfig, max_model_len: int | None = None) -> int:
     if cfg.max_num_batched_tokens is not None:
         return cfg.max_num_batched_tokens
     return 2048 if cfg.enable_chunked_prefill else (max_model_len or cfg.max_model_len or 2048)
+
+
+# Streaming multiprocessors the decode split is planned for (an H100/H200 SXM); the workspace grows with them.
+_PLAN_SMS = 132
+# Query rows per tile of the Paddle-op prefill (layers/attention.py _PREFILL_TILE).
+_PADDLE_TILE = 128
+
+
+def attention_memory(cfg: DeployConfig, shape: ModelShape, tp: int, dtype: str, tokens: int,
+                     max_model_len: int) -> tuple[int, str]:
+    """Bytes softmax attention holds during one step on top of the activations, and how they were counted."""
+    if not shape.num_full_layers:
+        return 0, "no softmax-attention layers"
+    if cfg.device == "cpu" and cfg.backend != "device":
+        return 0, "host backend: NumPy views of the pages, not counted"
+    act, acc = _DTYPE_BYTES[dtype], _DTYPE_BYTES["float64" if dtype == "float64" else "float32"]
+    hq, hkv, d = shape.num_attention_heads // tp, max(shape.num_kv_heads // tp, 1), shape.head_dim
+    seqs, length, n = min(cfg.max_num_seqs, tokens), max_model_len, min(tokens, max_model_len)
+    impl = select_attention_impl(cfg.device == "gpu", dtype, os.environ.get(KERNELS_ENV, ""))
+    if impl == "triton":
+        partials = decode_workspace_bytes(seqs, hq, hkv, d, length, _PLAN_SMS)
+        tables = (seqs + 1) * (-(-length // cfg.block_size) + 2) * 4 * 2
+        outputs = 2 * tokens * hq * d * act  # q in the cache dtype and the output
+        return partials + tables + outputs, (f"paged kernels: outputs, tables and {_fmt(partials)} of split-KV "
+                                             f"partials for {seqs} decodes of {length:,} tokens; no mask, no scores")
+    prefill = n * length * acc + 2 * hkv * length * d * (act + acc) + 3 * hq * min(_PADDLE_TILE, n) * length * acc
+    decode = seqs * (2 * hkv * length * d * (act + acc) + 3 * hq * length * acc)
+    which = (f"a {n:,}-token chunk's [{n:,} x {length:,}] mask, gathered context and 128-row scores" if prefill >= decode
+             else f"{seqs} decodes gathered to {length:,} tokens with their masks and scores")
+    return max(prefill, decode), f"Paddle ops: {which}"
 
 
 def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
@@ -292,6 +332,7 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
     logits_rows = min(cfg.max_num_seqs, tokens)
     activation = tokens * (2 * shape.hidden_size + widest) * act_bytes + tokens * fp32 * accum_bytes \
         + logits_rows * shape.vocab_size * accum_bytes
+    attention, attention_note = attention_memory(cfg, shape, tp, dtype, tokens, max_model_len)
 
     budget = int(cfg.memory_per_device * cfg.gpu_memory_utilization)
     block_bytes = kv_per_token * cfg.block_size
@@ -306,23 +347,25 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
                                           DEFAULT_KV_CACHE_BYTES // max(block_bytes, 1))) * block_bytes
     else:
         # GPU engines give the KV pool whatever the budget leaves (FastDeploy's gpu_memory_utilization rule).
-        kv_pool = max(budget - weights - state_pool - snapshot_pool - activation, 0) // max(block_bytes, 1) * block_bytes
+        kv_pool = max(budget - weights - state_pool - snapshot_pool - activation - attention, 0) // max(block_bytes, 1) \
+            * block_bytes
 
     per_seq = math.ceil(length / cfg.block_size) * block_bytes + state_per_seq
-    free_for_seqs = budget - weights - activation - snapshot_pool
+    free_for_seqs = budget - weights - activation - attention - snapshot_pool
     max_seqs = max(int(free_for_seqs // per_seq), 0) if per_seq else 0
-    fixed = weights + state_pool + snapshot_pool + activation
+    fixed = weights + state_pool + snapshot_pool + activation + attention
     need = fixed + (kv_pool if cfg.device == "cpu" or cfg.num_kv_blocks else 0)
     one_seq = blocks_per_seq * block_bytes
     snaps = f" + prefix snapshots {_fmt(snapshot_pool)}" if snapshot_pool else ""
     fits, reason = True, ""
     if need > budget:
         fits, reason = False, (f"weights {_fmt(weights)} + state pool {_fmt(state_pool)}{snaps} + activation "
-                               f"{_fmt(activation)}" + (f" + KV pool {_fmt(kv_pool)}" if need > fixed else "")
-                               + f" > budget {_fmt(budget)}")
+                               f"{_fmt(activation)} + attention {_fmt(attention)}"
+                               + (f" + KV pool {_fmt(kv_pool)}" if need > fixed else "") + f" > budget {_fmt(budget)}")
     elif kv_pool < one_seq:
         fits, reason = False, (f"the KV pool left ({_fmt(kv_pool)}) cannot hold one sequence of max_model_len "
                                f"{max_model_len:,} ({_fmt(one_seq)}); weights {_fmt(weights)}, state pool "
-                               f"{_fmt(state_pool)}{snaps}, activation {_fmt(activation)}, budget {_fmt(budget)}")
+                               f"{_fmt(state_pool)}{snaps}, activation {_fmt(activation)}, attention "
+                               f"{_fmt(attention)} ({attention_note}), budget {_fmt(budget)}")
     return Plan(cfg, shape, weights, breakdown, kv_per_token, kv_tp1, state_per_seq, state_pool, activation, kv_pool,
-                budget, length, max_seqs, fits, reason, num_snapshots, snapshot_pool)
+                budget, length, max_seqs, fits, reason, num_snapshots, snapshot_pool, attention, attention_note)

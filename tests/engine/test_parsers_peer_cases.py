@@ -140,7 +140,11 @@ MINIMAX = {
                               [("f", "{}")]),
 }
 
+# vLLM's hermes tests run a model end to end; these are their calls written out, plus the truncation.
 HERMES = {
+    "integer_and_boolean": ('<tool_call>\n{"name": "get_product_info", "arguments": {"product_id": 7355608, '
+                            '"inserted": true}}\n</tool_call>', None,
+                            [("get_product_info", '{"product_id": 7355608, "inserted": true}')]),
     "single": ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA"}}\n'
                '</tool_call>', None, [("get_current_temperature", '{"location": "San Francisco, CA"}')]),
     "two_blocks_and_text": ('Sure!\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'

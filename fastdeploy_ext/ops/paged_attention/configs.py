@@ -33,7 +33,8 @@ def default_decode_config(batch, num_kv_heads, num_sms):
 @dataclass(frozen=True)
 class PrefillConfig:
     """``block_m`` query rows of one head by ``block_n`` keys per step; ``tma``: the unmasked key tiles come by the
-    tensor-memory accelerator where a tile lies inside one page (``page_size % block_n == 0``), the head dim is a
+    tensor-memory accelerator (Hopper and later) where a tile lies inside one page (``page_size % block_n == 0``),
+    the head dim is a
     power of two and the cache has fewer than 2**31 rows over all KV heads (otherwise plain loads)."""
 
     block_m: int = 128

@@ -114,8 +114,10 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
         raise ValueError(f"{batch} chunks x {num_heads} heads exceed the grid's {_MAX_GRID_YZ}")
     tiles = _cdiv(longest, cfg.block_m)
     page_tiles = page_size % cfg.block_n == 0
-    # TMA boxes: rows of a power-of-two width, int32 row coordinates over the [Hkv * rows, D] view.
-    tma = (cfg.tma and page_tiles and head_dim == _next_pow2(head_dim) and head_dim * q.element_size() >= 16
+    # TMA (Hopper and later; the interpreter emulates it): rows of a power-of-two width, int32 row coordinates over
+    # the [Hkv * rows, D] view.
+    tma = (cfg.tma and page_tiles and (interp or (ops.capability(q) or (0, 0)) >= (9, 0))
+           and head_dim == _next_pow2(head_dim) and head_dim * q.element_size() >= 16
            and int(k_cache.shape[0]) * int(k_cache.shape[1]) < 2**31)
     k_desc, v_desc = (_row_desc(ops, c, cfg.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
     ops.launch(tk._prefill_kernel, (tiles, num_heads, batch),

@@ -45,8 +45,10 @@ class LLM:
                  reasoning_parser: str | None = "auto", tool_call_parser: str | None = None,
                  chat_template: str | None = None):
         from fastdeploy_ext.engine.chat_adapter import ChatFormat
+        from fastdeploy_ext.engine.reasoning_parsers import resolve_reasoning_parser
         from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
 
+        resolve_reasoning_parser(reasoning_parser, "")  # a misspelt name fails before the weights load
         self.llm_engine = LLMEngine(
             model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

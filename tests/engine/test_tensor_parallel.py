@@ -127,8 +127,10 @@ def test_dead_rank_is_reported(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, max_model_len=128, tensor_parallel_size=2)
     runner = llm.llm_engine.runner
     os.kill(runner.rank_pids[1], signal.SIGKILL)
-    with pytest.raises(RankFailure, match="rank 1"):
+    with pytest.raises(RankFailure, match="rank 1") as failure:
         llm.generate(prompts_of([9], 403), SamplingParams(max_tokens=4), use_tqdm=False)
+    # the message carries the rank's last log lines (one line on the CLI, no log to open)
+    assert "its log ends: " in str(failure.value) and "\n" not in str(failure.value).split("its log ends: ")[1]
     assert all(process_gone(pid) for pid in runner.rank_pids.values())
     # The logs the error names stay behind after a failure.
     assert os.path.exists(os.path.join(runner.log_dir, "workerlog.1"))

@@ -118,11 +118,17 @@ def test_random_outputs_never_raise_and_agree(seed):
                 r3, c3 = s.finish()
                 got = ((r1 + r2 + r3) if s.saw_reasoning else None), ((c1 + c2 + c3) or None)
                 assert got == expected, (name, opened, i)
-    fmt = ChatFormat(None, get_tool_parser("minimax_m1"), get_reasoning_parser("minimax_m1"))
-    fmt.parse(text, parse_tools=True)
-    stream = fmt.streaming(parse_tools=True)
-    for k, ch in enumerate(text):
-        stream.feed(ch, final=k == len(text) - 1)
+    for tools, reasoning in (("minimax_m1", "minimax_m1"), ("qwen2", "qwen3")):
+        fmt = ChatFormat(None, get_tool_parser(tools), get_reasoning_parser(reasoning))
+        for opened in (False, True):
+            r_want, c_want, calls_want = fmt.parse(text, parse_tools=True, reasoning_open=opened)
+            stream = fmt.streaming(parse_tools=True, reasoning_open=opened)
+            deltas = [stream.feed(ch, final=k == len(text) - 1) for k, ch in enumerate(text)]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == (r_want or "")
+            content = "".join(d.get("content", "") for d in deltas)
+            assert (content if content.strip() or not calls_want else "") == (c_want or "")
+            got = [d["function"] for x in deltas for d in x.get("tool_calls", [])]
+            assert [g["name"] for g in got if "name" in g] == [c.name for c in calls_want or []]
 
 
 def big_outputs(family, n):

@@ -277,6 +277,7 @@ class GrammarTrials:
                                           f"{self.timeout_s:g} s (stopped)") from None
             except _WorkerFailed as e:
                 self.killed += 1
+                worker.kill()  # reaped already; this closes its pipes
                 raise GrammarError(field, f"grammar refused: {e}") from None
             with self._lock:
                 self._idle.append(worker)

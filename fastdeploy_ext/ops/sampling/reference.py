@@ -29,11 +29,13 @@ def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
 
 def philox_uniform(seed, position, token):
     """The kernels' uniform in [0, 1) for ``token`` at output ``position`` of the request seeded ``seed`` (uint64):
-    Philox4x32-10 keyed by the seed's low and high words, counter ``(token, position, 0, 0)``, first output word
-    mapped as Triton's ``uint_to_uniform_float`` (float32)."""
-    seed = np.asarray(seed, np.uint64)
-    r0 = philox4x32(token, position, 0, 0, seed & _M32, seed >> np.uint64(32))[0]
-    x = r0.view(np.int32).astype(np.int64)
+    Philox4x32-10 keyed by the seed's low and high words, counter ``(token // 4, position, 0, 0)``, output word
+    ``(0, 2, 1, 3)[token % 4]`` mapped as Triton's ``uint_to_uniform_float`` (float32)."""
+    seed, token = np.asarray(seed, np.uint64), np.asarray(token, np.uint64)
+    words = philox4x32(token >> np.uint64(2), position, 0, 0, seed & _M32, seed >> np.uint64(32))
+    lane = token & np.uint64(3)  # tokens 4q .. 4q + 3 take words 0, 2, 1, 3 of counter q
+    w = np.where(lane == 0, words[0], np.where(lane == 1, words[2], np.where(lane == 2, words[1], words[3])))
+    x = w.view(np.int32).astype(np.int64)
     x = np.where(x < 0, -x - 1, x)
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
 

@@ -154,7 +154,8 @@ def _probe(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow,
             w = tl.full([BLOCK], 1.0, tl.float32)
         w = tl.where((key >= floor_key) & (offs < V), w, 0.0)
         hit = key[:, None] >= probes[None, :]
-        acc += tl.sum(tl.where(hit, w[:, None], 0.0).to(tl.float64), 0)
+        # float32 within a block (<= 2^24 exact counts; mass to ~1e-7 of it), float64 across blocks.
+        acc += tl.sum(tl.where(hit, w[:, None], 0.0), 0).to(tl.float64)
     return acc
 
 
@@ -280,15 +281,19 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, pa
         cut = tl.load(stats + S_CUT * R + r).to(tl.int32, bitcast=True)
         best = float("-inf")
         bid = BIG
-        zero = tl.zeros([BLOCK], tl.uint32)
+        quarter = tl.zeros([BLOCK // 4], tl.uint32)
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             raw, s = _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, offs, V)
             e = tl.exp(s - m)
             key = e.to(tl.int32, bitcast=True)
             keep = ((key > thr) | ((key == thr) & (offs < cut))) & (e >= min_p) & (offs < V)
-            u0, _, _, _ = tl.philox_impl(offs.to(tl.uint32), zero + pos, zero, zero, k0, k1)
-            g = -tl.log(-tl.log(tl.uint_to_uniform_float(u0)))
+            # One Philox call per 4 tokens (counter = token // 4): its 4 words, joined and flattened, land on tokens
+            # 4q, 4q + 1, 4q + 2, 4q + 3 as words 0, 2, 1, 3.
+            q = ((c * ITERS + i) * BLOCK) // 4 + tl.arange(0, BLOCK // 4)
+            w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), quarter + pos, quarter, quarter, k0, k1)
+            words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK])
+            g = -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
             score = tl.where(keep, s + g, float("-inf"))
             bm = tl.max(score, 0)
             bidx = tl.min(tl.where(score == bm, offs, BIG), 0)

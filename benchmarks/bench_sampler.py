@@ -1,0 +1,389 @@
+"""Sampling a step's rows at real vocabulary sizes: the batched host sampler against the per-row one it
+replaced (kept here, for this comparison only), and on a GPU the device sampler against reading the logits once.
+
+Host (the default): vocabularies 200,064 (MiniMax-M1) and 151,936 (Qwen2 / MiDashengLM), R in {1, 16, 64, 256}
+rows, the settings below; OLD and NEW run on the same rows in the same process, so their ratio holds even when
+other work shares the cores (the absolute figures do not). Random logits (``--source random``) are drawn per row
+as ``2 * N(0, 1)`` over the vocabulary plus ``U(6, 14)`` on 40 random ids (a few likely tokens over a flat body,
+so top_p 0.95 keeps thousands of tokens; the worst case for a sort-free top-p); ``--source model`` takes the
+last-position logits of random prompts through an 8-layer tiny Qwen2 with that vocabulary (random weights:
+flatter than a trained model's). The JSON-mask setting uses synthetic llguidance-layout packed masks (the tiny
+tokenizers have 512 tokens): half the rows allow 90% of the vocabulary (inside a string), half allow 40 ids.
+
+    python benchmarks/bench_sampler.py                       # host, both vocabularies, all R
+    python benchmarks/bench_sampler.py --rows 16 --vocab 200064
+    python benchmarks/bench_sampler.py --engine              # bench_engine.py's workload at vocab 200,064
+    python benchmarks/bench_sampler.py --device --rows 256    # torch + CUDA: device sampler vs the byte floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "t=1": dict(temperature=1.0),
+    "t=1 top_p 0.95": dict(temperature=1.0, top_p=0.95),
+    "t=0.7 top_k 50 top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+    "t=1 rep 1.1 presence 0.5": dict(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5),
+    "t=1 logprobs 5": dict(temperature=1.0, logprobs=5),
+    "t=1 JSON-schema mask": dict(temperature=1.0),
+}
+
+
+# ---- OLD: the per-row NumPy sampler the engine called once per request (engine/sampler.py before the batched
+# sampler), with the engine's per-row logit bias and logprobs calls.
+
+def _old_accum(logits):
+    return np.promote_types(logits.dtype, np.float32)
+
+
+def old_log_softmax(logits):
+    x = logits.astype(_old_accum(logits))
+    m = np.max(x, axis=-1, keepdims=True)
+    shifted = x - m
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def old_top_logprobs(logprobs, k, extra=None):
+    out = {}
+    if k > 0:
+        idx = np.argpartition(-logprobs, min(k, logprobs.size - 1))[:k]
+        idx = idx[np.lexsort((idx, -logprobs[idx]))]
+        out = {int(i): float(logprobs[i]) for i in idx}
+    if extra is not None:
+        out[int(extra)] = float(logprobs[extra])
+    return out
+
+
+def old_apply_logit_bias(logits, bias):
+    if not bias:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    out[ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+    return out
+
+
+def old_apply_penalties(logits, params, prompt_ids, output_ids):
+    if params.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
+def old_sample_token(logits, params, prompt_ids, output_ids, generator, banned_ids, allowed=None):
+    if allowed is None:
+        x = old_apply_penalties(logits.astype(_old_accum(logits), copy=True), params, prompt_ids, output_ids)
+        ids = None
+    else:
+        ids = np.flatnonzero(allowed)
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            x = old_apply_penalties(logits.astype(_old_accum(logits), copy=True), params, prompt_ids, output_ids)[ids]
+        else:
+            x = logits[ids].astype(_old_accum(logits), copy=False)
+    if banned_ids:
+        if ids is None:
+            x[np.asarray(banned_ids, dtype=np.int64)] = -np.inf
+        else:
+            x[np.isin(ids, np.asarray(banned_ids, dtype=np.int64))] = -np.inf
+    token = _old_draw(x, params, generator)
+    return token if ids is None else int(ids[token])
+
+
+def _old_draw(x, params, generator):
+    if params.greedy:
+        return int(np.argmax(x))
+    x = x / x.dtype.type(params.temperature)
+    if params.top_k and 0 < params.top_k < x.size:
+        kth = np.partition(x, -params.top_k)[-params.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    probs = np.exp(x - np.max(x))
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cum, params.top_p)) + 1
+        keep = np.zeros_like(probs, dtype=bool)
+        keep[order[:cut]] = True
+        probs = np.where(keep, probs, 0.0)
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+    probs = probs.astype(np.float64)
+    probs /= probs.sum()
+    u = generator.random()
+    token = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+    return min(token, int(np.flatnonzero(probs)[-1]))
+
+
+def old_step(rows, specs, bitmask):
+    """What the engine did per step: unpack the grammar masks of the batch, then per request."""
+    from fastdeploy_ext.engine.guided_decoding import unpack_bitmask
+
+    allowed = unpack_bitmask(bitmask, rows.shape[1]) if bitmask is not None else None
+    out = []
+    for row, s in zip(rows, specs):
+        mask = allowed[s.mask_row] if s.mask_row is not None else None
+        token = old_sample_token(old_apply_logit_bias(row, s.params.logit_bias), s.params, s.prompt_ids,
+                                 s.output_ids, s.generator, s.banned_ids, mask)
+        lp = None
+        if s.params.logprobs is not None:
+            lp = old_top_logprobs(old_log_softmax(row[None])[0], s.params.logprobs, token)
+        out.append((token, lp))
+    return out
+
+
+# ---- inputs
+
+def random_logits(rows, vocab, seed):
+    rng = np.random.default_rng(seed)
+    x = 2.0 * rng.standard_normal((rows, vocab), dtype=np.float32)
+    for r in range(rows):
+        x[r, rng.choice(vocab, 40, replace=False)] += rng.uniform(6, 14, 40).astype(np.float32)
+    return x
+
+
+def synthetic_masks(rows, vocab, seed):
+    """Packed [rows, ceil(V/32)] int32: even rows allow 90% of the ids, odd rows 40 ids."""
+    rng = np.random.default_rng(seed)
+    allowed = np.zeros((rows, vocab), bool)
+    for r in range(rows):
+        if r % 2 == 0:
+            allowed[r] = rng.random(vocab) < 0.9
+        else:
+            allowed[r, rng.choice(vocab, 40, replace=False)] = True
+    packed = np.packbits(allowed, axis=1, bitorder="little")
+    packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 4)))
+    return np.ascontiguousarray(packed).view(np.int32)
+
+
+def make_specs(rows, vocab, setting, seed):
+    from fastdeploy_ext import SamplingParams
+    from fastdeploy_ext.engine.sampler import SampleRow
+
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(**SETTINGS[setting])
+    specs = []
+    for r in range(rows):
+        prompt = rng.integers(0, vocab, 512).tolist()
+        output = rng.integers(0, vocab, 64).tolist()
+        specs.append(SampleRow(params, prompt, output, np.random.default_rng(seed + r), [],
+                               r if setting.endswith("mask") else None))
+    return specs
+
+
+def model_logits(rows, vocab, seed, threads):
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from fastdeploy_ext import LLM, SamplingParams
+
+    llm = LLM(model=tiny_vocab_model(vocab), max_model_len=1024, max_num_seqs=max(rows, 1), num_threads=threads)
+    rng = np.random.default_rng(seed)
+    runner = llm.llm_engine.runner
+    from fastdeploy_ext.engine.model_runner import SeqInput
+
+    out = []
+    for s in range(0, rows, 16):
+        n = min(16, rows - s)
+        seqs = [SeqInput(request_id=f"b{s + i}", token_ids=rng.integers(0, 500, 32).tolist(), start=0,
+                         block_ids=[2 * i, 2 * i + 1], state_slot=None, prompt_len=32, prompt_logits=False,
+                         completes=True) for i in range(n)]
+        out.extend(runner.execute_step(seqs).sample)
+    del llm, SamplingParams
+    return np.stack(out)
+
+
+def tiny_vocab_model(vocab):
+    import tempfile
+
+    from fastdeploy_ext.tiny.qwen2 import write_tiny_qwen2
+
+    model_dir = os.path.join(tempfile.gettempdir(), f"fdext_bench_qwen2_v{vocab}")
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        write_tiny_qwen2(model_dir, seed=0, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=vocab)
+    return model_dir
+
+
+# ---- host benchmark
+
+def _time(fn, reps):
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_host(args):
+    from fastdeploy_ext.engine.sampler import HostSampler
+    from fastdeploy_ext.ops.host.host_threads import set_host_threads
+
+    set_host_threads(args.threads)
+    sampler = HostSampler()
+    print(f"host: threads={args.threads}, source={args.source}; ms per row, best of {args.reps} (OLD: best of "
+          f"{args.old_reps}); new/old in the same run")
+    print(f"| vocab | R | setting | OLD ms/row | NEW ms/row | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for vocab in args.vocab:
+        max_r = max(args.rows)
+        if args.source == "model":
+            logits_all = model_logits(max_r, vocab, args.seed, args.threads)
+        else:
+            logits_all = random_logits(max_r, vocab, args.seed)
+        masks_all = synthetic_masks(max_r, vocab, args.seed + 1)
+        for rows in args.rows:
+            logits = logits_all[:rows]
+            for setting in args.settings:
+                bitmask = masks_all[:rows] if setting.endswith("mask") else None
+                specs = make_specs(rows, vocab, setting, args.seed)
+                new = _time(lambda: sampler.sample(logits, specs, bitmask), args.reps)
+                errs = [e for e in sampler.sample(logits, specs, bitmask).errors if e is not None]
+                if errs:
+                    raise errs[0]
+                old = _time(lambda: old_step(logits, specs, bitmask), args.old_reps) if not args.skip_old else None
+                o = f"{old / rows * 1e3:.2f}" if old is not None else "-"
+                ratio = f"{old / new:.1f}x" if old is not None else "-"
+                print(f"| {vocab} | {rows} | {setting} | {o} | {new / rows * 1e3:.3f} | {ratio} |", flush=True)
+
+
+# ---- device
+
+def bench_device(args):
+    """torch on a CUDA GPU: per vocabulary and setting at ``--rows`` rows, the device sampler's step (parameters up,
+    the kernels, ids and logprobs down; CUDA-event timing with the L2 flushed, triton.testing.do_bench), the byte
+    floor (``amax`` over the [R, V] float32 logits: one read of them) and the plain-torch way (softmax, a sorted
+    top-p, multinomial) in the same run."""
+    import json
+
+    import torch
+    import triton
+
+    from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
+
+    results = []
+    rows = max(args.rows)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def plain_torch(x, t, top_p, top_k):
+        z = torch.softmax(x / max(t, 1e-6), dim=-1)
+        if top_k:
+            kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+            z = torch.where(z >= kth, z, 0)
+        if top_p < 1.0:
+            sp, si = torch.sort(z, dim=-1, descending=True)
+            cum = torch.cumsum(sp, dim=-1)
+            sp = torch.where(cum - sp >= top_p * cum[:, -1:], 0, sp)
+            z = torch.zeros_like(z).scatter_(-1, si, sp)
+        return torch.multinomial(z, 1, generator=gen).view(-1).cpu()
+
+    for vocab in args.vocab:
+        logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
+        masks = synthetic_masks(rows, vocab, args.seed + 1)
+        floor = triton.testing.do_bench(lambda: logits.amax(dim=1))
+        nbytes = logits.numel() * 4
+        print(f"vocab {vocab}, R={rows}: byte floor {floor * 1e3:.1f} us ({nbytes / floor / 1e6:.0f} GB/s)", flush=True)
+        for setting in args.settings:
+            specs = make_specs(rows, vocab, setting, args.seed)
+            for i, s in enumerate(specs):
+                s.seed, s.position = 1000 + i, 17
+            bitmask = masks if setting.endswith("mask") else None
+            batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask)
+            t_build = triton.testing.do_bench(lambda: SamplingBatch.from_rows(specs, list(range(rows)), bitmask))
+            entry = dict(vocab=vocab, rows=rows, setting=setting, floor_us=floor * 1e3, build_us=t_build * 1e3)
+            for probes, chunk in ((16, 8192),) + (((32, 8192), (16, 4096), (16, 16384)) if args.sweep else ()):
+                t = triton.testing.do_bench(lambda: sample_rows(logits, batch, probes=probes, chunk=chunk))
+                entry[f"device_us_p{probes}_c{chunk}"] = t * 1e3
+            p = specs[0].params
+            if not setting.endswith("mask") and p.temperature > 0:
+                entry["torch_us"] = triton.testing.do_bench(
+                    lambda: plain_torch(logits, p.temperature, p.top_p, p.top_k)) * 1e3
+            dev = entry["device_us_p16_c8192"]
+            print(f"  {setting}: device {dev:.1f} us ({dev / entry['floor_us']:.2f}x floor), host batch build "
+                  f"{entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in entry.items() if k.startswith("device_us_")), flush=True)
+            results.append(entry)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+# ---- end to end
+
+def bench_engine(args):
+    """bench_engine.py's workload (32 requests, prompt lengths from [16, 512] seeded, 64 output tokens) on the
+    tiny Qwen2 with a 200,064 vocabulary at t=1 top_p 0.95: the engine with the per-row OLD sampler patched in,
+    then with the batched one, in one process."""
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from fastdeploy_ext import LLM, SamplingParams
+    from fastdeploy_ext.engine import engine as engine_mod
+
+    vocab = args.vocab[0]
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(16, 513, size=args.requests).tolist()
+    prompts = [{"prompt_token_ids": rng.integers(0, 500, size=n).tolist()} for n in lengths]
+    llm = LLM(model=tiny_vocab_model(vocab), max_model_len=1024, max_num_seqs=args.requests,
+              max_num_batched_tokens=2048, num_threads=args.threads)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=args.output_len, ignore_eos=True, seed=1)
+    print(f"model: Qwen2 8 layers, hidden 512, vocab {vocab}; {args.requests} requests, prompts {sum(lengths)} "
+          f"tokens (seed {args.seed}), {args.output_len} output tokens each, t=1 top_p 0.95; threads={args.threads}")
+    engine = llm.llm_engine
+    new_sampler = engine.sampler
+
+    class OldSampler:
+        def sample(self, rows, specs, bitmask=None):
+            from fastdeploy_ext.engine.sampler import SampleResult
+
+            res = old_step(np.stack([np.asarray(r) for r in rows]), specs, bitmask)
+            return SampleResult(np.array([t for t, _ in res]), [lp for _, lp in res], [None] * len(specs))
+
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    for name, sampler in (("OLD", OldSampler()), ("NEW", new_sampler), ("OLD", OldSampler()), ("NEW", new_sampler)):
+        engine.sampler = sampler
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.outputs.token_ids) for o in outs)
+        print(f"{name}: {dt:.2f} s, {n_out / dt:.1f} output tok/s", flush=True)
+    del engine_mod
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[200064, 151936])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--source", choices=["random", "model"], default="random")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--old-reps", type=int, default=1)
+    ap.add_argument("--skip-old", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", action="store_true", help="end to end: bench_engine.py's workload, OLD vs NEW")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--device", action="store_true", help="the device sampler on a CUDA GPU (torch)")
+    ap.add_argument("--out", default=None, help="also write the device results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="device: also other probe counts and chunk sizes")
+    args = ap.parse_args()
+    if args.device:
+        return bench_device(args)
+    if args.engine:
+        bench_engine(args)
+        return 0
+    bench_host(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -54,6 +54,7 @@ class StreamingReasoning:
         self._lead = True  # (strip) the current section has shown only whitespace so far
         self._trail: list[str] = []  # (strip) whitespace at the end of the reasoning so far
         self.saw_reasoning = False
+        self.steps = 0  # characters examined (the linear-work test reads it)
 
     def _reasoning(self, text: str, out: list[str]) -> None:
         if not self._strip:
@@ -90,6 +91,7 @@ class StreamingReasoning:
         content: list[str] = []
         i, n = 0, len(text)
         while i < n:
+            self.steps += 1
             if self._state in ("start", "start_open"):
                 m = _WS.match(text, i)
                 if m is not None:
@@ -115,6 +117,7 @@ class StreamingReasoning:
                 continue
             if self._state == "reasoning":
                 hits = [(j, t) for t in self._ends if (j := text.find(t, i)) >= 0]
+                self.steps += len(self._ends) * ((min(hits)[0] if hits else n) - i)
                 if hits:
                     j, tag = min(hits)
                     self._reasoning(text[i:j], reasoning)
@@ -125,6 +128,7 @@ class StreamingReasoning:
                 self._reasoning(text[i:n - keep], reasoning)
                 self._buf = text[n - keep:]
                 break
+            self.steps += n - i
             self._content(text[i:], content)
             break
         return "".join(reasoning), "".join(content)

@@ -161,3 +161,29 @@ def test_streaming_work_is_linear(family):
         (a_chars, a_whole), (b_chars, b_whole) = ratios
         assert b_chars <= 40 and b_whole <= 40, (name, ratios)  # a constant per character, not per buffer
         assert b_chars <= 1.2 * a_chars + 0.5 and b_whole <= 1.2 * a_whole + 0.5, (name, ratios)
+
+
+def test_reasoning_work_is_linear():
+    """Characters examined per output character stay bounded as outputs grow 16-fold, one character at a
+    time (whitespace runs held by minimax_m1, tag prefixes held by all)."""
+    def outputs(n):
+        return {"whitespace_reasoning": "<think>" + " \n" * (n // 2),
+                "tag_prefixes": "<think>" + "</thin" * (n // 6),
+                "tool_tag_prefixes": "<tool_ca" * (n // 8),
+                "long_content": "<think>x</think>" + "y" * n}
+    for name in ("minimax_m1", "think", "qwen3"):
+        parser = get_reasoning_parser(name)
+        for opened in (False, True):
+            per_char = []
+            for n in (4000, 64000):
+                row = []
+                for text in outputs(n).values():
+                    s = parser.streaming(opened)
+                    for ch in text:
+                        s.feed(ch)
+                    s.finish()
+                    row.append(s.steps / len(text))
+                per_char.append(row)
+            small, large = per_char
+            assert max(large) <= 40, (name, per_char)
+            assert all(b <= 1.2 * a + 0.5 for a, b in zip(small, large)), (name, per_char)

@@ -412,6 +412,8 @@ class OpenAIServer:
         self._counts_lock = threading.Lock()
         self._audio_pool = concurrent.futures.ThreadPoolExecutor(AUDIO_DECODE_THREADS,
                                                                  thread_name_prefix="audio-decode")
+        # Requests waiting for a grammar compile worker (each waits at most guided_compile_timeout_s, then 429).
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="grammar-wait")
         self.tokenizer = engine.tokenizer
         parser = tool_call_parser or default_tool_parser(type(engine.model).name())
         self.chat_format = ChatFormat(engine.tokenizer, get_tool_parser(parser) if parser else None,
@@ -831,10 +833,12 @@ class OpenAIServer:
             await asyncio.to_thread(self._validate, ids, params, where)
         if params.guided_decoding is not None:
             try:
-                # Off the event loop, bounded in time (GuidedDecoder) and work (llguidance's limits); the
-                # compiled grammar is cached, so the engine thread's own compile is a copy.
+                # Off the event loop in a pool of its own (a compile may wait out its budget), bounded by
+                # GuidedDecoder's compile worker; the compiled grammar is cached, so the engine thread's own
+                # compile is a copy.
                 for _, ids, _ in prompts:
-                    await asyncio.to_thread(self.engine.compile_guided, params, ids)
+                    await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.compile_guided,
+                                                                     params, ids)
             except GrammarError as e:
                 raise grammar_error(e, guided_field) from None
 

@@ -31,7 +31,8 @@ def metric(server, name):
 
 def still_serving(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 2}, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 2},
+                   timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

@@ -16,9 +16,15 @@ from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
 __all__ = ["SamplingBatch", "SamplingOutput", "sample_rows"]
 
+# The kernels' layout constants as plain ints.
+(F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, NUM_FIELDS,
+ FLAG_GREEDY, FLAG_SEARCH, NUM_PLANES, NUM_STATS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in (
+    "F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P", "F_MIN_P", "F_SEED_LO", "F_SEED_HI",
+    "F_POS", "F_NLP", "NUM_FIELDS", "FLAG_GREEDY", "FLAG_SEARCH", "NUM_PLANES", "NUM_STATS", "ERR_NAN",
+    "ERR_NONE_ALLOWED"))
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
-_ERRORS = {tk.ERR_NAN: (FloatingPointError, "logits contain NaN"),
-           tk.ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
+_ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
+           ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
 
 
@@ -39,39 +45,39 @@ class SamplingBatch:
 
     @property
     def max_logprobs(self) -> int:
-        return int(self.params[:, tk.F_NLP].max(initial=-1))
+        return int(self.params[:, F_NLP].max(initial=-1))
 
     @classmethod
     def from_rows(cls, specs, rows, bitmask=None) -> "SamplingBatch":
         """From the engine's ``SampleRow``s (``fastdeploy_ext.engine.sampler``) and the logits row of each."""
         n = len(specs)
-        params = np.zeros((n, tk.NUM_FIELDS), np.int32)
+        params = np.zeros((n, NUM_FIELDS), np.int32)
         floats = params.view(np.float32)
         mods, entries = [], []
         start = 0
         for r, (spec, row) in enumerate(zip(specs, rows)):
             p = spec.params
-            params[r, tk.F_ROW] = row
-            params[r, tk.F_MASK] = -1 if spec.mask_row is None else spec.mask_row
+            params[r, F_ROW] = row
+            params[r, F_MASK] = -1 if spec.mask_row is None else spec.mask_row
             greedy = p.temperature == 0.0
             top_k = p.top_k if p.top_k and p.top_k > 0 else 0
             search = not greedy and (top_k > 0 or p.top_p < 1.0)
-            params[r, tk.F_FLAGS] = (tk.FLAG_GREEDY if greedy else 0) | (tk.FLAG_SEARCH if search else 0)
-            params[r, tk.F_TOP_K] = 0 if greedy else top_k
-            floats[r, tk.F_INV_T] = 1.0 if greedy else 1.0 / p.temperature
-            floats[r, tk.F_TOP_P] = p.top_p
-            floats[r, tk.F_MIN_P] = 0.0 if greedy else p.min_p
+            params[r, F_FLAGS] = (FLAG_GREEDY if greedy else 0) | (FLAG_SEARCH if search else 0)
+            params[r, F_TOP_K] = 0 if greedy else top_k
+            floats[r, F_INV_T] = 1.0 if greedy else 1.0 / p.temperature
+            floats[r, F_TOP_P] = p.top_p
+            floats[r, F_MIN_P] = 0.0 if greedy else p.min_p
             seed = int(spec.seed) & 0xFFFFFFFFFFFFFFFF
-            params[r, tk.F_SEED_LO] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
-            params[r, tk.F_SEED_HI] = np.uint32(seed >> 32).view(np.int32)
-            params[r, tk.F_POS] = spec.position
+            params[r, F_SEED_LO] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
+            params[r, F_SEED_HI] = np.uint32(seed >> 32).view(np.int32)
+            params[r, F_POS] = spec.position
             if p.logprobs is not None and p.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs: at most {MAX_LOGPROBS} on the device, got {p.logprobs}")
-            params[r, tk.F_NLP] = -1 if p.logprobs is None else p.logprobs
+            params[r, F_NLP] = -1 if p.logprobs is None else p.logprobs
             ent = _entries(spec)
-            params[r, tk.F_WORK] = -1
+            params[r, F_WORK] = -1
             if ent is not None:
-                params[r, tk.F_WORK] = len(mods)
+                params[r, F_WORK] = len(mods)
                 mods.append((row, start, start + ent.shape[1]))
                 entries.append(ent)
                 start += ent.shape[1]
@@ -79,7 +85,7 @@ class SamplingBatch:
         if mods:
             batch.mods = np.asarray(mods, np.int32)
             batch.entries = np.ascontiguousarray(np.concatenate(entries, axis=1))
-        if bitmask is not None and (params[:, tk.F_MASK] >= 0).any():
+        if bitmask is not None and (params[:, F_MASK] >= 0).any():
             batch.bitmask = np.ascontiguousarray(bitmask, np.int32)
         return batch
 
@@ -172,7 +178,7 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
         empty = np.zeros(0, np.int64)
         return SamplingOutput(empty, empty.astype(np.int32), empty.astype(np.float32), np.zeros((0, 0), np.int64),
                               np.zeros((0, 0), np.float32), empty.astype(np.int32))
-    rows = params[:, tk.F_ROW]
+    rows = params[:, F_ROW]
     if rows.min() < 0 or rows.max() >= num_rows:
         raise ValueError(f"row indices must lie in [0, {num_rows}), got {rows.min()}..{rows.max()}")
     if batch.entries is not None and batch.entries.shape[1] and batch.entries[0].max() >= vocab:
@@ -196,23 +202,23 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
     chunks = -(-vocab // chunk)
     cp = max(2, 1 << (chunks - 1).bit_length())
     tops_on = batch.max_logprobs > 0
-    part = ops.empty([tk.NUM_PLANES * n * chunks], "float32", logits)
+    part = ops.empty([NUM_PLANES * n * chunks], "float32", logits)
     tops = ops.empty([n * chunks * MAX_LOGPROBS if tops_on else 1], "int64", logits)
-    stats = ops.empty([tk.NUM_STATS * n], "float32", logits)
+    stats = ops.empty([NUM_STATS * n], "float32", logits)
     out = ops.empty([n, 3 + 2 * MAX_LOGPROBS], "int32", logits)
     common = [logits, stride_l, work, stride_w, bitmask, stride_m, dev_params]
     iters = chunk // block
     ops.launch(tk._stats_kernel, (n, chunks), common + [part, tops, vocab, chunks], BLOCK=block, ITERS=iters,
                KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=8)
-    flags = params[:, tk.F_FLAGS]
-    if (flags & tk.FLAG_SEARCH).any():
+    flags = params[:, F_FLAGS]
+    if (flags & FLAG_SEARCH).any():
         # One program per row searches; its [block, probes] comparisons want a narrower block.
         ops.launch(tk._select_kernel, (n,), common + [part, stats, vocab, chunks], CP=cp, BLOCK=min(block, 512),
                    NP=probes, num_warps=8)
     else:
         ops.launch(tk._select_kernel, (n,), common + [part, stats, vocab, chunks], CP=cp, BLOCK=min(block, 512),
                    NP=probes, num_warps=4)
-    if not (flags & tk.FLAG_GREEDY).all():
+    if not (flags & FLAG_GREEDY).all():
         ops.launch(tk._draw_kernel, (n, chunks), common + [part, stats, vocab, chunks], BLOCK=block, ITERS=iters,
                    num_warps=8)
     ops.launch(tk._finish_kernel, (n,), [logits, stride_l, dev_params, part, stats, tops, out, vocab, chunks],
@@ -223,7 +229,7 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
     k = max(batch.max_logprobs, 0)
     return SamplingOutput(tokens, codes, host[:, 2].view(np.float32).copy(), host[:, 3:3 + k].astype(np.int64),
                           host[:, 3 + MAX_LOGPROBS:3 + MAX_LOGPROBS + k].view(np.float32).copy(),
-                          params[:, tk.F_NLP].copy())
+                          params[:, F_NLP].copy())
 
 
 def _ops_for(logits):

@@ -12,30 +12,33 @@ logprob and the top logprobs, in one int32 row per sampled row).
 import triton
 import triton.language as tl
 
-# Per-row parameters, one int32 row each (floats stored as their bit patterns).
-F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP = range(12)
-NUM_FIELDS = 12
-FLAG_GREEDY = 1
-FLAG_SEARCH = 2  # top_k or top_p is set
+# Per-row parameters, one int32 row each (floats stored as their bit patterns). Globals a kernel reads must be
+# constexpr; the launcher takes their int values.
+F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP = (
+    tl.constexpr(i) for i in range(12))
+NUM_FIELDS = tl.constexpr(12)
+FLAG_GREEDY = tl.constexpr(1)
+FLAG_SEARCH = tl.constexpr(2)  # top_k or top_p is set
 # Partials per (row, chunk), float32 planes.
-P_MAX, P_SUM, P_RMAX, P_RSUM, P_ARG, P_NAN, P_BEST, P_BID = range(8)
-NUM_PLANES = 8
+P_MAX, P_SUM, P_RMAX, P_RSUM, P_ARG, P_NAN, P_BEST, P_BID = (tl.constexpr(i) for i in range(8))
+NUM_PLANES = tl.constexpr(8)
 # Per-row results of _select_kernel, float32 / int32 planes.
-S_M, S_LSE, S_THR, S_CUT, S_ARG, S_ERR = range(6)
-NUM_STATS = 6
-ERR_NAN, ERR_NONE_ALLOWED = 1, 2
-ONE_KEY = 0x3F800000  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
-BIG = 2147483647
+S_M, S_LSE, S_THR, S_CUT, S_ARG, S_ERR = (tl.constexpr(i) for i in range(6))
+NUM_STATS = tl.constexpr(6)
+ERR_NAN = tl.constexpr(1)
+ERR_NONE_ALLOWED = tl.constexpr(2)
+ONE_KEY = tl.constexpr(0x3F800000)  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
+BIG = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _param(params, r, field):
-    return tl.load(params + r * 12 + field)
+def _param(prm, r, field):
+    return tl.load(prm + r * NUM_FIELDS + field)
 
 
 @triton.jit
-def _param_f(params, r, field):
-    return tl.load(params + r * 12 + field).to(tl.float32, bitcast=True)
+def _param_f(prm, r, field):
+    return tl.load(prm + r * NUM_FIELDS + field).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -81,15 +84,15 @@ def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries,
 
 
 @triton.jit
-def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, part, tops, V, C,
+def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, tops, V, C,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
-    row = _param(params, r, F_ROW)
-    wrow = _param(params, r, F_WORK)
-    mrow = _param(params, r, F_MASK)
-    inv_t = _param_f(params, r, F_INV_T)
-    nlp = _param(params, r, F_NLP)
+    row = _param(prm, r, F_ROW)
+    wrow = _param(prm, r, F_WORK)
+    mrow = _param(prm, r, F_MASK)
+    inv_t = _param_f(prm, r, F_INV_T)
+    nlp = _param(prm, r, F_NLP)
     m_run = float("-inf")
     s_run = 0.0
     rm_run = float("-inf")
@@ -120,7 +123,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, p
                 # (BIG - id) in one int64.
                 bits = raw.to(tl.int32, bitcast=True)
                 key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                packed = (key.to(tl.int64) << 32) | (BIG - offs).to(tl.int64)
+                packed = (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64)
                 packed = tl.where(offs < V, packed, -9223372036854775807 - 1)
                 if tl.max(packed, 0) > tl.min(run, 0):  # most blocks hold nothing above the running top KP
                     run = tl.topk(tl.reshape(tl.join(run, tl.topk(packed, KP)), [2 * KP]), KP)
@@ -190,7 +193,7 @@ def _search(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow
 
 
 @triton.jit
-def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, part, stats, V, C,
+def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, stats, V, C,
                    CP: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):
     r = tl.program_id(0)
     R = tl.num_programs(0)
@@ -204,22 +207,22 @@ def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, 
     total = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), 0)
     pa = tl.load(base + P_ARG * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True)
     arg = tl.min(tl.where((pm == m) & cm, pa, BIG), 0)
-    prm = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"))
-    rm = tl.max(prm, 0)
-    prs = tl.load(base + P_RSUM * plane, mask=cm, other=0.0)
-    lse = rm + tl.log(tl.sum(tl.where(prm > float("-inf"), prs * tl.exp(prm - rm), 0.0), 0))
+    p_rmax = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"))
+    rm = tl.max(p_rmax, 0)
+    p_rsum = tl.load(base + P_RSUM * plane, mask=cm, other=0.0)
+    lse = rm + tl.log(tl.sum(tl.where(p_rmax > float("-inf"), p_rsum * tl.exp(p_rmax - rm), 0.0), 0))
     nan = tl.max(tl.load(base + P_NAN * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True), 0)
     err = tl.where(nan > 0, ERR_NAN, tl.where(m == float("-inf"), ERR_NONE_ALLOWED, 0))
     thr = 0
     cut = V
-    flags = _param(params, r, F_FLAGS)
+    flags = _param(prm, r, F_FLAGS)
     if ((flags & FLAG_SEARCH) != 0) & (err == 0):
-        row = _param(params, r, F_ROW)
-        wrow = _param(params, r, F_WORK)
-        mrow = _param(params, r, F_MASK)
-        inv_t = _param_f(params, r, F_INV_T)
-        top_k = _param(params, r, F_TOP_K)
-        top_p = _param_f(params, r, F_TOP_P)
+        row = _param(prm, r, F_ROW)
+        wrow = _param(prm, r, F_WORK)
+        mrow = _param(prm, r, F_MASK)
+        inv_t = _param_f(prm, r, F_INV_T)
+        top_k = _param(prm, r, F_TOP_K)
+        top_p = _param_f(prm, r, F_TOP_P)
         mass = total.to(tl.float64)
         if top_k > 0:
             thr, f_k, f_k1 = _search(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m,
@@ -260,22 +263,22 @@ def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, 
 
 
 @triton.jit
-def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, part, stats, V, C,
+def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, stats, V, C,
                  BLOCK: tl.constexpr, ITERS: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
     R = tl.num_programs(0)
-    flags = _param(params, r, F_FLAGS)
+    flags = _param(prm, r, F_FLAGS)
     err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
     if ((flags & FLAG_GREEDY) == 0) & (err == 0):
-        row = _param(params, r, F_ROW)
-        wrow = _param(params, r, F_WORK)
-        mrow = _param(params, r, F_MASK)
-        inv_t = _param_f(params, r, F_INV_T)
-        min_p = _param_f(params, r, F_MIN_P)
-        k0 = _param(params, r, F_SEED_LO).to(tl.uint32, bitcast=True)
-        k1 = _param(params, r, F_SEED_HI).to(tl.uint32, bitcast=True)
-        pos = _param(params, r, F_POS).to(tl.uint32, bitcast=True)
+        row = _param(prm, r, F_ROW)
+        wrow = _param(prm, r, F_WORK)
+        mrow = _param(prm, r, F_MASK)
+        inv_t = _param_f(prm, r, F_INV_T)
+        min_p = _param_f(prm, r, F_MIN_P)
+        k0 = _param(prm, r, F_SEED_LO).to(tl.uint32, bitcast=True)
+        k1 = _param(prm, r, F_SEED_HI).to(tl.uint32, bitcast=True)
+        pos = _param(prm, r, F_POS).to(tl.uint32, bitcast=True)
         m = tl.load(stats + S_M * R + r)
         thr = tl.load(stats + S_THR * R + r).to(tl.int32, bitcast=True)
         cut = tl.load(stats + S_CUT * R + r).to(tl.int32, bitcast=True)
@@ -305,12 +308,12 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, params, pa
 
 
 @triton.jit
-def _finish_kernel(logits, stride_l, params, part, stats, tops, out, V, C, CP: tl.constexpr, KP: tl.constexpr,
+def _finish_kernel(logits, stride_l, prm, part, stats, tops, out, V, C, CP: tl.constexpr, KP: tl.constexpr,
                    TOPS: tl.constexpr):
     """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)."""
     r = tl.program_id(0)
     R = tl.num_programs(0)
-    flags = _param(params, r, F_FLAGS)
+    flags = _param(prm, r, F_FLAGS)
     err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
     token = tl.load(stats + S_ARG * R + r).to(tl.int32, bitcast=True)
     if ((flags & FLAG_GREEDY) == 0) & (err == 0):
@@ -325,9 +328,9 @@ def _finish_kernel(logits, stride_l, params, part, stats, tops, out, V, C, CP: t
     o = out + r * (3 + 2 * KP)
     tl.store(o, token)
     tl.store(o + 1, err)
-    nlp = _param(params, r, F_NLP)
+    nlp = _param(prm, r, F_NLP)
     if (nlp >= 0) & (err == 0):
-        row = _param(params, r, F_ROW)
+        row = _param(prm, r, F_ROW)
         lse = tl.load(stats + S_LSE * R + r)
         x = tl.load(logits + row.to(tl.int64) * stride_l + token).to(tl.float32)
         tl.store(o + 2, (x - lse).to(tl.int32, bitcast=True))
@@ -338,7 +341,7 @@ def _finish_kernel(logits, stride_l, params, part, stats, tops, out, V, C, CP: t
                     part_top = tl.load(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP))
                     run = tl.topk(tl.reshape(tl.join(run, part_top), [2 * KP]), KP)
                 key = (run >> 32).to(tl.int32)
-                ids = BIG - (run & 0xFFFFFFFF).to(tl.int32)
+                ids = -(run & 0xFFFFFFFF).to(tl.int32) + BIG
                 val = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                 tl.store(o + 3 + tl.arange(0, KP), ids)
                 tl.store(o + 3 + KP + tl.arange(0, KP), (val - lse).to(tl.int32, bitcast=True))

@@ -65,6 +65,8 @@ def _try(tokenizer, grammar: str, limits, vocab_size: int) -> dict:
 
 def main() -> None:
     import llguidance
+    import llguidance.gbnf_to_lark  # noqa: F401 (everything imported before the memory cap applies)
+    import llguidance.numpy  # noqa: F401
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     setup = read_message(stdin)
@@ -106,8 +108,11 @@ def main() -> None:
                 result["error"] = f"{type(e).__name__}: {e}"
 
         worker = threading.Thread(target=work, name="grammar-try")
-        worker.start()
-        worker.join()
+        try:
+            worker.start()  # its stack counts against the memory cap too
+            worker.join()
+        except (RuntimeError, MemoryError):
+            result["error"] = "the grammar needs more memory than the compile budget"
         write_message(stdout, result or {"error": "no result"})
 
 

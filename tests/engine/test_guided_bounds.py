@@ -52,6 +52,20 @@ def test_crash_and_runaway_cost_the_worker_and_leave_nothing_cached(decoder):
     assert len(decoder._cache) == 2
 
 
+def test_memory_budget_refuses_in_the_worker(tiny_qwen2_dir):
+    with open(os.path.join(tiny_qwen2_dir, "tokenizer.json")) as f:
+        small = GuidedDecoder(f.read(), 512, [0], compile_memory_bytes=24 << 20, compile_workers=1)
+    try:
+        small.compile(GuidedDecodingParams(regex="[a-z]{3}"))
+        wide = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(300)}}
+        with pytest.raises(GrammarError, match="over the compile memory budget"):
+            small.compile(GuidedDecodingParams(json=wide))
+        assert len(small._cache) == 1
+        small.compile(GuidedDecodingParams(regex="[0-9]{2}"))  # a fresh worker under the same cap
+    finally:
+        small.close()
+
+
 def test_gbnf_through_the_python_api(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, max_model_len=256)
     outs = llm.generate(["q"] * 4, [SamplingParams(temperature=1.0, seed=s, max_tokens=32,

@@ -35,12 +35,20 @@ from fastdeploy_ext.ops.paged_attention.launcher import DecodeConfig, PrefillCon
 MODELS = {"m1": (8, 1, 128), "qwen2": (28, 4, 128)}
 DECODE = [(1, 4096), (16, 32768), (64, 32768), (256, 8192), (16, 131072), (1, 1 << 20)]
 PREFILL = [(8192, 0), (8192, 32768), (8192, 131072), (2048, 0)]
-DECODE_SWEEP = ([DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)]
-                + [DecodeConfig(128, 4, 2, None, 2, 128), DecodeConfig(128, 4, 2, None, 2, 64),
-                   DecodeConfig(64, 4, 2, None, 4, 128), DecodeConfig(64, 4, 2, None, 4, 64)])
-PREFILL_SWEEP = [PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 3),
-                 PrefillConfig(128, 64, 4, 3, True), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3, True),
-                 PrefillConfig(128, 64, 4, 4, True), PrefillConfig(128, 128, 8, 2, True), PrefillConfig(64, 64, 4, 4, True)]
+# --sweep: the full grids (docs/ops/paged_attention.md has their results), or with --sweep-set final the variants
+# left open after them (the shortest decode pieces; paired causal tiles).
+SWEEPS = {
+    "full": ([DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)],
+             [PrefillConfig(128, 64, 4, 3, False), PrefillConfig(64, 64, 4, 3, False), PrefillConfig(128, 128, 8, 3, False),
+              PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 3),
+              PrefillConfig(128, 64, 4, 4), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 4)]),
+    "final": ([DecodeConfig(128, 4, 2, None, 2, 256), DecodeConfig(128, 4, 2, None, 2, 128),
+               DecodeConfig(128, 4, 2, None, 2, 64), DecodeConfig(64, 4, 2, None, 4, 128),
+               DecodeConfig(64, 4, 2, None, 4, 64)],
+              [PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 64, 4, 3, True, True),
+               PrefillConfig(128, 128, 8, 3, True, True), PrefillConfig(64, 64, 4, 3, True, True)]),
+}
+DECODE_SWEEP, PREFILL_SWEEP = SWEEPS["full"]
 
 
 def copy_bandwidth():
@@ -198,12 +206,15 @@ def main():
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-set", choices=list(SWEEPS), default="full")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--decode", nargs="*", default=None, help="B x L cases, e.g. 1x4096 (default: the issue's)")
     ap.add_argument("--prefill", nargs="*", default=None, help="n:ctx cases, e.g. 8192:0 (default: the issue's)")
     ap.add_argument("--once", action="store_true", help="run our kernels twice per case, untimed (for ncu)")
     args = ap.parse_args()
+    global DECODE_SWEEP, PREFILL_SWEEP
+    DECODE_SWEEP, PREFILL_SWEEP = SWEEPS[args.sweep_set]
     decode_cases = DECODE if args.decode is None else [tuple(int(x) for x in c.split("x")) for c in args.decode]
     prefill_cases = PREFILL if args.prefill is None else [tuple(int(x) for x in c.split(":")) for c in args.prefill]
     if args.once:

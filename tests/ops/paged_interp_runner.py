@@ -40,7 +40,8 @@ def main(case_dir, framework):
             paged_decode(q, kc, vc, to_tensor(c["dec_tables"]), to_tensor(c["dec_lens"]), scale=scale, page_size=page,
                          max_seq_len=int(c["dec_lens"].max()), out=out, config=cfg)
         if "cu" in c:
-            cfg = PrefillConfig(int(c["block_m"]), int(c["block_n"]), 4, 1, bool(c["tma"])) if int(c["block_m"]) else None
+            cfg = PrefillConfig(int(c["block_m"]), int(c["block_n"]), 4, 1, bool(c["tma"]), bool(c["paired"])) \
+                if int(c["block_m"]) else None
             paged_prefill(q, kc, vc, to_tensor(c["pre_tables"]), to_tensor(c["cu"]), to_tensor(c["ctx"]), scale=scale,
                           page_size=page, max_q_len=int(np.diff(c["cu"]).max()), out=out, config=cfg)
         np.savez(path.replace(".in.npz", ".out.npz"), out=np.asarray(out.numpy()))

@@ -83,7 +83,8 @@ def test_prefill_chunks_after_context(dtype, heads, kv_heads, page):
     q = torch.randn(sum(q_lens), heads, 128, device="cuda").to(dtype)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device="cuda")
     ref = dense_reference(q, kc, vc, table, page, q_lens, ctx, 128 ** -0.5)
-    for cfg in (None, PrefillConfig(tma=True), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3)):
+    for cfg in (None, PrefillConfig(tma=False), PrefillConfig(64, 64, 4, 3, True), PrefillConfig(128, 128, 8, 3),
+                PrefillConfig(paired=True), PrefillConfig(64, 64, 4, 3, True, True)):
         out = torch.full_like(q, float("nan"))
         paged_prefill(q, kc, vc, table, cu, torch.tensor(ctx, dtype=torch.int32, device="cuda"), scale=128 ** -0.5,
                       page_size=page, max_q_len=max(q_lens), out=out, config=cfg)

@@ -24,7 +24,7 @@ TOL = 1e-5
 
 
 def case(seed, heads, kv_heads, head_dim, page, decode_lens=(), chunks=(), split_len=0, block_n=32, block_m=32,
-         tma=False):
+         tma=False, paired=False):
     """A step of ``decode_lens`` decodes then ``chunks`` ``(q_len, ctx_len)`` prefill chunks, rows in that order."""
     rng = np.random.default_rng(seed)
     totals = list(decode_lens) + [n + c for n, c in chunks]
@@ -46,6 +46,7 @@ def case(seed, heads, kv_heads, head_dim, page, decode_lens=(), chunks=(), split
         v_cache=rng.standard_normal((kv_heads, num_pages * page, head_dim)).astype(np.float32),
         page_size=np.int64(page), scale=np.float64(head_dim ** -0.5 * 1.3),
         block_n=np.int64(block_n), block_m=np.int64(block_m), split_len=np.int64(split_len), tma=np.bool_(tma),
+        paired=np.bool_(paired),
     )
     if nd:
         c["dec_tables"] = np.stack(tables[:nd])
@@ -79,6 +80,8 @@ CASES = {
     # The same through TMA descriptors for the unmasked key tiles (32-key boxes inside 64-token pages).
     "prefill_after_context_g4_tma": case(208, 4, 1, 16, 64, chunks=[(17, 64), (255, 63), (1, 65), (257, 1000)],
                                          tma=True),
+    # Tiles paired first-with-last (an odd count: the middle tile alone), fresh prompts and one after context.
+    "prefill_paired_g4": case(209, 4, 2, 16, 16, chunks=[(255, 0), (17, 0), (100, 33)], paired=True),
     # Group 1, a 7-token page (tiles cross pages: per-row page lookups), head dim 24 (padded to 32), 64-row tiles.
     "prefill_page7_g1_d24": case(203, 2, 2, 24, 7, chunks=[(1000, 257), (17, 1), (1, 0)], block_m=64, block_n=16),
     # Decodes mixing short and long contexts, one program per sequence and KV head; group 4.
@@ -91,7 +94,8 @@ CASES = {
     "mixed_step_g4": case(207, 4, 1, 32, 16, decode_lens=[255, 1, 1000], chunks=[(17, 257), (33, 0)],
                           split_len=128),
 }
-PADDLE_CASES = ("prefill_after_context_g8", "prefill_after_context_g4_tma", "decode_split_g8", "mixed_step_g4")
+PADDLE_CASES = ("prefill_after_context_g8", "prefill_after_context_g4_tma", "prefill_paired_g4", "decode_split_g8",
+                "mixed_step_g4")
 
 
 def run_cases(tmp_path, framework, names):

@@ -35,13 +35,15 @@ class PrefillConfig:
     """``block_m`` query rows of one head by ``block_n`` keys per step; ``tma``: the unmasked key tiles come by the
     tensor-memory accelerator (Hopper and later) where a tile lies inside one page (``page_size % block_n == 0``),
     the head dim is a
-    power of two and the cache has fewer than 2**31 rows over all KV heads (otherwise plain loads)."""
+    power of two and the cache has fewer than 2**31 rows over all KV heads (otherwise plain loads); ``paired``: each
+    program takes query tiles ``i`` and ``T - 1 - i`` of the longest chunk's ``T`` (equal causal work per program)."""
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = True
+    paired: bool = False
 
 
 def default_prefill_config(dtype_name, head_dim, interpreter, programs_128=None, num_sms=None, ctx_len=None,

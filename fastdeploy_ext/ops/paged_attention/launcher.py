@@ -113,6 +113,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
     if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
         raise ValueError(f"{batch} chunks x {num_heads} heads exceed the grid's {_MAX_GRID_YZ}")
     tiles = _cdiv(longest, cfg.block_m)
+    programs = _cdiv(tiles, 2) if cfg.paired else tiles
     page_tiles = page_size % cfg.block_n == 0
     # TMA (Hopper and later; the interpreter emulates it): rows of a power-of-two width, int32 row coordinates over
     # the [Hkv * rows, D] view.
@@ -120,12 +121,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
            and head_dim == _next_pow2(head_dim) and head_dim * q.element_size() >= 16
            and int(k_cache.shape[0]) * int(k_cache.shape[1]) < 2**31)
     k_desc, v_desc = (_row_desc(ops, c, cfg.block_n) for c in (k_cache, v_cache)) if tma else (k_cache, v_cache)
-    ops.launch(tk._prefill_kernel, (tiles, num_heads, batch),
+    ops.launch(tk._prefill_kernel, (programs, num_heads, batch),
                [q, k_cache, v_cache, k_desc, v_desc, out, block_tables, cu_seqlens_q, ctx_lens,
                 _s(q, 0), _s(q, 1), _s(k_cache, 0), _s(k_cache, 1), _s(v_cache, 0), _s(v_cache, 1), _s(out, 0),
                 _s(out, 1), _s(block_tables, 0), tiles, float(scale) * tk.LOG2E],
                GROUP=num_heads // num_kv_heads, PAGE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-               D=head_dim, D_PAD=_next_pow2(head_dim), PAGE_TILES=page_tiles, USE_TMA=tma,
+               D=head_dim, D_PAD=_next_pow2(head_dim), PAGE_TILES=page_tiles, USE_TMA=tma, PAIRED=cfg.paired,
                PRECISION=_precision(q, interp), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

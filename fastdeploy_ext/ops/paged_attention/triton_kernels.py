@@ -8,7 +8,8 @@ online softmax runs on ``exp2``; maxima, sums and accumulators are float32 whate
   program writes the output; otherwise each split writes its normalised partial output and log-sum-exp (base 2).
 - ``_reduce_kernel``: one program per (sequence, query head) combines the splits that hold tokens. With ``PDL``
   (Hopper, not the interpreter) it is launched while the decode kernel runs and waits for it in ``gdc_wait``.
-- ``_prefill_kernel``: one program per (query tile, query head, sequence). Keys below the tile's first row's
+- ``_prefill_kernel``: one program per (query tile, query head, sequence), or per pair of tiles (first and last,
+  second and second-to-last, ...) with ``PAIRED``. Keys below the tile's first row's
   position are visible to every row: that loop has no mask, and with ``USE_TMA`` (a tile inside one page) reads its
   keys and values by the tensor-memory accelerator. The rest (the tile's diagonal) is masked by position and read
   with masked loads, so rows past the sequence are never used, whatever they hold.
@@ -155,45 +156,63 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt
 
 
 @triton.jit
+def _prefill_tile(tile, h, b, q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
+                  stride_qt, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ot, stride_oh, stride_bt,
+                  scale_log2e, GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Query rows ``[tile * BLOCK_M, (tile + 1) * BLOCK_M)`` of chunk ``b``, head ``h`` (nothing past the chunk)."""
+    q0 = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q0
+    m0 = tile * BLOCK_M
+    if m0 < q_len:
+        ctx = tl.load(ctx_ptr + b)
+        kvh = h // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        qd_mask = (offs_m < q_len)[:, None] & (offs_d < D)[None, :]
+        tok = (q0 + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        desc_row0 = kvh * (stride_kh // stride_kr)
+        kv_end = ctx + tl.minimum(m0 + BLOCK_M, q_len)
+        # Row m0 sees positions [0, ctx + m0]: whole tiles below that need no mask.
+        full_end = (ctx + m0 + 1) // BLOCK_N * BLOCK_N
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n,
+                                         kv_end, offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE,
+                                         BLOCK_N, PAGE_TILES, False, USE_TMA, PRECISION)
+        for n in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n,
+                                         kv_end, offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE,
+                                         BLOCK_N, PAGE_TILES, True, False, PRECISION)
+        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
                     stride_qt, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ot, stride_oh, stride_bt,
                     num_tiles, scale_log2e,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, PAGE_TILES: tl.constexpr, USE_TMA: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    # The last tiles of a chunk see the most keys: they start first.
-    tile = num_tiles - 1 - tl.program_id(0)
+                    PAIRED: tl.constexpr, PRECISION: tl.constexpr):
+    # The last tiles of a chunk see the most keys: they start first. PAIRED: program i also takes tile i, so every
+    # program of a fresh causal prompt does about the same work (tile i sees about i + 1 key tiles).
+    pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q0 = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q0
-    m0 = tile * BLOCK_M
-    if m0 >= q_len:
-        return
-    ctx = tl.load(ctx_ptr + b)
-    kvh = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    qd_mask = (offs_m < q_len)[:, None] & (offs_d < D)[None, :]
-    tok = (q0 + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    desc_row0 = kvh * (stride_kh // stride_kr)
-    kv_end = ctx + tl.minimum(m0 + BLOCK_M, q_len)
-    # Row m0 sees positions [0, ctx + m0]: whole tiles below that need no mask.
-    full_end = (ctx + m0 + 1) // BLOCK_N * BLOCK_N
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n, kv_end,
-                                     offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N,
-                                     PAGE_TILES, False, USE_TMA, PRECISION)
-    for n in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row0, bt_row, n, kv_end,
-                                     offs_m, ctx, offs_d, stride_kr, stride_vr, scale_log2e, D, PAGE, BLOCK_N,
-                                     PAGE_TILES, True, False, PRECISION)
-    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qd_mask)
+    _prefill_tile(num_tiles - 1 - pid, h, b, q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
+                  stride_qt, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ot, stride_oh, stride_bt,
+                  scale_log2e, GROUP, PAGE, BLOCK_M, BLOCK_N, D, D_PAD, PAGE_TILES, USE_TMA, PRECISION)
+    if PAIRED:
+        if pid < num_tiles - 1 - pid:
+            _prefill_tile(pid, h, b, q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, bt_ptr, cu_ptr, ctx_ptr,
+                          stride_qt, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_ot, stride_oh,
+                          stride_bt, scale_log2e, GROUP, PAGE, BLOCK_M, BLOCK_N, D, D_PAD, PAGE_TILES, USE_TMA,
+                          PRECISION)

@@ -49,14 +49,16 @@ class PrefillConfig:
 def default_prefill_config(dtype_name, head_dim, interpreter, programs_128=None, num_sms=None, ctx_len=None,
                            q_len=None):
     """As measured fastest on an H200 at MiniMax-M1's and Qwen2-7B's shapes (docs/ops/paged_attention.md): 128 x 64
-    tiles on 4 warps, 3 stages, keys and values by TMA; 64-row tiles where 128-row ones give fewer than 4 programs
-    per SM and the chunk's own causal triangle outweighs its context (the programs' unequal work then leaves SMs
-    idle at the end)."""
+    tiles on 4 warps, 3 stages, keys and values by TMA. Where 128-row tiles give fewer than 4 programs per SM and the
+    chunk's own causal triangle outweighs its context, the programs' unequal work would leave SMs idle at the end:
+    tiles are paired first-with-last while the pairs still give every SM one, else 64-row tiles."""
     if interpreter:
         return PrefillConfig(32, 32, 4, 1, False)
     if dtype_name == "float32" or head_dim > 128:
         return PrefillConfig(64, 32, 4, 2, False)
     if programs_128 is not None and num_sms and programs_128 < 4 * num_sms and (ctx_len or 0) <= (q_len or 0):
+        if programs_128 >= 2 * num_sms:
+            return PrefillConfig(paired=True)
         return PrefillConfig(64, 64, 4, 3)
     return PrefillConfig()
 

@@ -157,7 +157,8 @@ class AttentionMetadata:
     @cached_property
     def prefill_kernel_args(self) -> tuple:
         """``(block_tables [Bp, max_pages] int32, cu_seqlens [Bp + 1] int32 in the step's token rows (from
-        num_decode), context lengths [Bp] int32, longest chunk)`` for ``paged_prefill``, uploaded once per step."""
+        num_decode), context lengths [Bp] int32, longest chunk, longest context)`` for ``paged_prefill``, uploaded
+        once per step."""
         width = max([len(p.blocks) for p in self.prefills] + [1])
         table = np.zeros([len(self.prefills), width], np.int32)
         for i, p in enumerate(self.prefills):
@@ -165,7 +166,7 @@ class AttentionMetadata:
         cu = np.array([self.num_decode] + [p.q_start + p.q_len for p in self.prefills], np.int32)
         ctx = np.array([p.ctx_start for p in self.prefills], np.int32)
         longest = max([p.q_len for p in self.prefills] + [0])
-        return paddle.to_tensor(table), paddle.to_tensor(cu), paddle.to_tensor(ctx), longest
+        return paddle.to_tensor(table), paddle.to_tensor(cu), paddle.to_tensor(ctx), longest, int(ctx.max(initial=0))
 
 
 # A decode group costs its padded key rows plus a fixed overhead worth about this many rows.
@@ -388,7 +389,7 @@ class KernelAttention:
             self._decode(q, k_cache, v_cache, table, lengths, scale=self.scale, page_size=bs, max_seq_len=longest,
                          out=out)
         if not output_only and meta.prefills:
-            table, cu, ctx, longest = meta.prefill_kernel_args
+            table, cu, ctx, longest, longest_ctx = meta.prefill_kernel_args
             self._prefill(q, k_cache, v_cache, table, cu, ctx, scale=self.scale, page_size=bs, max_q_len=longest,
-                          out=out)
+                          max_ctx_len=longest_ctx, out=out)
         return out.reshape([q.shape[0], self.num_heads * self.head_dim]).astype(dtype)

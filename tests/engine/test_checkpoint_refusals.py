@@ -116,6 +116,7 @@ def test_minimax_config_ranges(tmp_path):
         shutil.copy(tmp_path / "orig.json", os.path.join(d, "config.json"))
 
 
+@pytest.mark.timeout(180)  # its subprocess has its own 120 s bound
 def test_huge_hidden_size_is_refused_from_the_headers_before_allocating(tiny, tmp_path):
     """hidden_size 2**26 would allocate ~128 GiB for embeddings alone; the process runs under a 4 GiB
     address-space limit, so reaching any allocation would end in MemoryError instead of the header check."""

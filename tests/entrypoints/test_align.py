@@ -141,6 +141,7 @@ def test_audio_for_a_text_model_is_an_error(tiny, wav, capsys):
 
 @pytest.mark.parametrize("module,arch", [("torch", "Qwen2ForCausalLM"), ("transformers", "MiniMaxM1ForCausalLM"),
                                          ("dasheng", "MiDashengLMModel")])
+@pytest.mark.timeout(180)  # its subprocess has its own 120 s bound
 def test_missing_extra_is_a_clear_message(tiny, wav, tmp_path, module, arch):
     """A subprocess whose ``module`` import fails (a shadowing package that raises ImportError)."""
     shadow = tmp_path / "shadow" / module

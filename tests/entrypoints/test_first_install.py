@@ -11,6 +11,7 @@ import sys
 from importlib import metadata
 
 import openai
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -126,6 +127,7 @@ def test_serve_answers_the_openai_client_with_only_the_first_install(start_serve
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 3
 
 
+@pytest.mark.timeout(180)  # its subprocess has its own 120 s bound
 def test_the_hook_refuses_what_the_first_install_lacks(tmp_path):
     """The control: the same hook fails `serve` when fastapi is taken out, and refuses torch (installed here for
     the test extra, not by the first command)."""

@@ -140,24 +140,28 @@ def test_trusted_looping_template_is_killed_at_the_timeout(trusting):
     def hostile():
         results.append(chat(trusting, timeout=60, chat_template=LOOP))
 
+    rendered = metric(trusting, "fastdeploy_ext_chat_templates_rendered_total")
     threads = [threading.Thread(target=hostile) for _ in range(6)]
-    start = time.monotonic()
     for t in threads:
         t.start()
-    time.sleep(0.5)
-    t0 = time.monotonic()
+    # Both workers have taken a looping template (a state, not a sleep).
+    deadline = time.monotonic() + 60
+    while metric(trusting, "fastdeploy_ext_chat_templates_rendered_total") < rendered + 2:
+        assert time.monotonic() < deadline, "the client templates never started rendering"
+        time.sleep(0.05)
     assert httpx.get(trusting.url + "/health", timeout=10).status_code == 200
     # The served template does not wait for the (busy) client-template workers.
-    ok = chat(trusting, timeout=10)
-    assert ok.status_code == 200 and time.monotonic() - t0 < 10
+    assert chat(trusting, timeout=10).status_code == 200
     for t in threads:
         t.join(timeout=60)
-    codes = sorted(r.status_code for r in results)
-    # Two workers render (and are killed at 2 s); the other four are refused at once, not queued.
-    assert codes == [400, 400, 429, 429, 429, 429], [r.text for r in results]
+    codes = [r.status_code for r in results]
+    # Each request either rendered on a worker (killed at 2 s: a 400) or met both workers busy and was refused at once
+    # (a 429), never queued. How many of the six meet busy workers depends on the machine's speed; the counts agree.
+    assert len(codes) == 6 and set(codes) <= {400, 429}, [r.text for r in results]
+    assert codes.count(400) >= 2
     assert all("template_timeout_s=2" in r.json()["error"]["message"] for r in results if r.status_code == 400)
-    assert time.monotonic() - start < 15
-    assert metric(trusting, "fastdeploy_ext_chat_templates_killed_total") == killed + 2
+    assert all("workers are busy" in r.json()["error"]["message"] for r in results if r.status_code == 429)
+    assert metric(trusting, "fastdeploy_ext_chat_templates_killed_total") == killed + codes.count(400)
     assert rss(pid) - before < MAX_RSS_GROWTH
     still_serving(trusting)
 
@@ -237,7 +241,9 @@ def test_50mb_prompt_leaves_the_event_loop_free(trusting):
         time.sleep(0.2)
     t.join()
     assert "max_prompt_chars" in refused(result["r"], 400, "prompt")
-    assert max(health_times, default=0) < 10
+    # Each /health answered within its 10 s client timeout while the 50 MB body was being sent and parsed; the first
+    # call starts before the upload can have ended.
+    assert health_times, "no /health call overlapped the upload"
     still_serving(trusting)
 
 

@@ -282,6 +282,7 @@ print("RESULT " + json.dumps({"ops": names, "tokens": out.outputs.token_ids,
 """
 
 
+@pytest.mark.timeout(360)  # the interpreter subprocess below has its own 300 s bound
 def test_triton_kernels_forced_match_hf(model_dirs, tmp_path):
     """Tiny MiniMax-M1 on the device backend with ``FDEXT_LIGHTNING_KERNELS=triton`` (the documented setting,
     fastdeploy_ext/layers/linear_attention.py) under ``TRITON_INTERPRET=1``, in a subprocess (the interpreter must be

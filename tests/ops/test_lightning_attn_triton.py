@@ -14,6 +14,10 @@ import pytest
 
 import triton  # noqa: F401  (the test extra installs it; missing = a failed install)
 
+# The module fixture runs three interpreter subprocesses of at most 120 s each: the first test to use it is given
+# that whole bound rather than the suite's 120 s for one test.
+pytestmark = pytest.mark.timeout(3 * 120 + 60)
+
 from tests.ops.fp64_recurrence import recurrence, rel_err
 
 RUNNER = os.path.join(os.path.dirname(__file__), "lightning_interp_runner.py")

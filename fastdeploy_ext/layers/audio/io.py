@@ -83,10 +83,12 @@ def _check_rate(sr: int, what: str) -> None:
         raise ValueError(f"{what} is sampled at {sr} Hz; supported rates are {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
 
 
-def _check_samples(block: np.ndarray, what: str) -> None:
+def _check_samples(block: np.ndarray, what: str, scale: float = 1.0) -> None:
+    """Finite samples whose peak, once multiplied by ``scale`` (PCM's 2^-15 / 2^-31), is at most 2^15: checked on the
+    caller's own array, before a float32 cast could turn a large float64 into inf. PCM never reaches the bound."""
     if not np.isfinite(block).all():
         raise ValueError(f"{what} contains NaN or inf samples; every sample must be a finite number")
-    peak = float(np.max(np.abs(block))) if block.size else 0.0
+    peak = float(np.max(np.abs(block))) * scale if block.size else 0.0
     if peak > MAX_FLOAT_PEAK:
         raise ValueError(f"{what} has float samples up to |x| = {peak:.3g}, above 2^15 = 32768 (int16 full scale); "
                          "float audio is expected near [-1, 1]: if this is int16 PCM stored as float, divide it by 32768 "
@@ -155,8 +157,7 @@ def _to_mono_float(array: np.ndarray, what: str) -> np.ndarray:
             f"unsupported sample dtype {array.dtype} for {what}; expected int16, int32 (PCM, scaled by 2^-15 / 2^-31), "
             "float32 or float64 (used as is)"
         )
-    if array.dtype.kind == "f":
-        _check_samples(array, what)  # before the float32 cast, which would turn a large float64 into inf
+    _check_samples(array, what, scale)
     array = array.astype(np.float32) * np.float32(scale)
     if array.ndim == 1:
         return array

@@ -259,6 +259,8 @@ def _sample_row(row: np.ndarray, spec: SampleRow, bitmask: np.ndarray | None) ->
         lse = m + np.log(total)  # x is the raw row and e = exp(x - max): the sampling pass's own sum
     else:
         lse = m + np.log(np.exp(row.astype(dtype, copy=False) - m).sum(dtype=np.float64))
+    # The sums run in float64; the reported logprobs keep the logits' own precision (float32 numbers under float32).
+    lse = lse.astype(dtype)
     out = {}
     if params.logprobs > 0:
         for t in top_ids(row, params.logprobs):

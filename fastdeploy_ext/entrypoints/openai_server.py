@@ -498,7 +498,8 @@ class OpenAIServer:
 
     def _admit(self, num_seqs: int) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable")
+            why = f": engine failed: {self.loop.failure}" if self.loop.failure else ""
+            raise APIError(503, f"the server is shutting down{why}", "service_unavailable")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
         if self.loop.num_pending + num_seqs > self.loop.max_pending_requests:

@@ -420,8 +420,8 @@ def test_stopped_rank_is_named_and_health_turns_503(start_server, tiny_qwen2_dir
         assert f"rank 1 (pid {ranks[1]}) sent no heartbeat" in status
         failed = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
                             timeout=30)
-        assert failed.status_code in (500, 503) and "rank 1" in failed.text
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        # The server then shuts down (exit non-zero, for a supervisor): requests meanwhile are refused naming the rank.
+        assert failed.status_code in (500, 503) and "rank 1" in failed.text, failed.text
     finally:
         os.kill(ranks[1], signal.SIGKILL)
 

@@ -94,6 +94,10 @@ CASES = {
     "mixed_step_g4": case(207, 4, 1, 32, 16, decode_lens=[255, 1, 1000], chunks=[(17, 257), (33, 0)],
                           split_len=128),
 }
+# Each interpreter subprocess below has its own 420 s bound (87 s for the torch cases on a loaded 2-core box): the
+# test that runs one, or the first to use the module fixture, is given that bound rather than the suite's 120 s.
+pytestmark = pytest.mark.timeout(480)
+
 PADDLE_CASES = ("prefill_after_context_g8", "prefill_after_context_g4_tma", "prefill_paired_g4", "decode_split_g8",
                 "mixed_step_g4")
 
@@ -103,7 +107,7 @@ def run_cases(tmp_path, framework, names):
         np.savez(tmp_path / f"{name}.in.npz", **CASES[name])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, RUNNER, str(tmp_path), framework], capture_output=True, text=True,
-                          timeout=600, env=env)
+                          timeout=420, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return {name: np.load(tmp_path / f"{name}.out.npz")["out"] for name in names}
 

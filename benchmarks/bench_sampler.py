@@ -348,7 +348,7 @@ def bench_engine(args):
             return SampleResult(np.array([t for t, _ in res]), [lp for _, lp in res], [None] * len(specs))
 
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    for name, sampler in (("OLD", OldSampler()), ("NEW", new_sampler), ("OLD", OldSampler()), ("NEW", new_sampler)):
+    for name, sampler in (("OLD", OldSampler()), ("NEW", new_sampler)):
         engine.sampler = sampler
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -23,7 +23,6 @@ rate measured here. Each of our outputs is checked against SDPA's (relative erro
 import argparse
 import dataclasses
 import json
-import math
 import time
 
 import torch
@@ -39,7 +38,8 @@ PREFILL = [(8192, 0), (8192, 32768), (8192, 131072), (2048, 0)]
 # left open after them (the shortest decode pieces; paired causal tiles).
 SWEEPS = {
     "full": ([DecodeConfig(bn, 4, s, None, pps) for bn in (64, 128) for s in (2, 3) for pps in (2, 4, 8)],
-             [PrefillConfig(128, 64, 4, 3, False), PrefillConfig(64, 64, 4, 3, False), PrefillConfig(128, 128, 8, 3, False),
+             [PrefillConfig(128, 64, 4, 3, False), PrefillConfig(64, 64, 4, 3, False),
+              PrefillConfig(128, 128, 8, 3, False),
               PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 3),
               PrefillConfig(128, 64, 4, 4), PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 4)]),
     "final": ([DecodeConfig(128, 4, 2, None, 2, 256), DecodeConfig(128, 4, 2, None, 2, 128),

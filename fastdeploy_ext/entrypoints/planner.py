@@ -263,8 +263,8 @@ def attention_memory(cfg: DeployConfig, shape: ModelShape, tp: int, dtype: str, 
                                              f"partials for {seqs} decodes of {length:,} tokens; no mask, no scores")
     prefill = n * length * acc + 2 * hkv * length * d * (act + acc) + 3 * hq * min(_PADDLE_TILE, n) * length * acc
     decode = seqs * (2 * hkv * length * d * (act + acc) + 3 * hq * length * acc)
-    which = (f"a {n:,}-token chunk's [{n:,} x {length:,}] mask, gathered context and 128-row scores" if prefill >= decode
-             else f"{seqs} decodes gathered to {length:,} tokens with their masks and scores")
+    which = (f"a {n:,}-token chunk's [{n:,} x {length:,}] mask, gathered context and 128-row scores"
+             if prefill >= decode else f"{seqs} decodes gathered to {length:,} tokens with their masks and scores")
     return max(prefill, decode), f"Paddle ops: {which}"
 
 
@@ -347,8 +347,8 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
                                           DEFAULT_KV_CACHE_BYTES // max(block_bytes, 1))) * block_bytes
     else:
         # GPU engines give the KV pool whatever the budget leaves (FastDeploy's gpu_memory_utilization rule).
-        kv_pool = max(budget - weights - state_pool - snapshot_pool - activation - attention, 0) // max(block_bytes, 1) \
-            * block_bytes
+        left = budget - weights - state_pool - snapshot_pool - activation - attention
+        kv_pool = max(left, 0) // max(block_bytes, 1) * block_bytes
 
     per_seq = math.ceil(length / cfg.block_size) * block_bytes + state_per_seq
     free_for_seqs = budget - weights - activation - attention - snapshot_pool

@@ -66,8 +66,8 @@ def default_prefill_config(dtype_name, head_dim, interpreter, programs_128=None,
 def decode_splits(batch, num_kv_heads, max_len, num_sms, config=DecodeConfig()):
     """``(split_len, num_splits)`` for a decode batch whose longest context is ``max_len`` tokens: one piece per
     (sequence, KV head) when they already give ``programs_per_sm`` programs per SM, else the context cut into
-    as many pieces (of at least ``min_split`` tokens) as keep the programs within that one wave. ``num_sms`` None (the CPU interpreter): one piece
-    unless ``config.split_len`` says otherwise."""
+    as many pieces (of at least ``min_split`` tokens) as keep the programs within that one wave. ``num_sms`` None
+    (the CPU interpreter): one piece unless ``config.split_len`` says otherwise."""
     bn = config.block_n
     max_len = max(int(max_len), 1)
     if config.split_len is not None:

@@ -32,9 +32,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     ``k_cache``/``v_cache`` ``[Hkv, num_pages * page_size, D]`` of q's dtype (``Hq`` a multiple of ``Hkv``);
     ``block_tables`` ``[B, max_pages]`` and ``seq_lens`` ``[B]`` int32/int64: token ``p`` of sequence ``b`` is cache
     row ``block_tables[b, p // page_size] * page_size + p % page_size``. All contiguous on one CUDA device (or the
-    CPU under ``TRITON_INTERPRET=1``), all torch or all Paddle. ``max_seq_len``: the longest ``seq_lens`` entry as a host int (sizes the split; default
-    ``max_pages * page_size``, which is never read back from the device). ``out`` (q's shape and dtype): rows
-    ``[0, B)`` are overwritten, others left as they are; returned."""
+    CPU under ``TRITON_INTERPRET=1``), all torch or all Paddle. ``max_seq_len``: the longest ``seq_lens`` entry as
+    a host int (sizes the split; default ``max_pages * page_size``: nothing is read back from the device). ``out``
+    (q's shape and dtype): rows ``[0, B)`` are overwritten, others left as they are; returned."""
     ops = _ops_for(q)
     rows, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
     _check_tensor(ops, seq_lens, "seq_lens", q)

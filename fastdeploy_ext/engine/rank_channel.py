@@ -125,7 +125,9 @@ class HeartbeatMonitor:
     def _fail(self, rank: int, message: str) -> None:
         if self.failure is None and not self._stop.is_set():
             self.failed_rank, self.failure = rank, message
-            logger.error("%s", message)
+            # Whoever acts on it reports it (RankFailure, /health, the server's log): a second error line
+            # here would break the CLI's one-line rule.
+            logger.info("%s", message)
 
     def _run(self) -> None:
         by_conn = {conn: rank for rank, conn in self._conns.items()}

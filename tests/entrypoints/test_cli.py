@@ -306,3 +306,27 @@ def test_llm_warm_up_says_what_it_does(tiny_qwen2_dir, caplog):
         with LLM(model=tiny_qwen2_dir, max_model_len=64, max_num_seqs=2):
             pass
     assert any(r.getMessage().startswith("warming up: one dummy prefill") for r in caplog.records)
+
+
+def test_a_failed_tensor_parallel_rank_is_one_line_with_its_own_error(tiny_qwen2_dir, tmp_path):
+    """Rank 1 fails while building its shard (a fault injected into that rank process only): the CLI prints
+    one error line carrying the rank's own error and log tail, not the driver's chained traceback."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('FDEXT_SPAWNED_RANK') and sys.argv[-2:] == ['--rank', '1']:\n"
+        "    from fastdeploy_ext.engine import engine\n"
+        "    def build_model(*a, **k):\n"
+        "        print('rank 1: cannot allocate the shard (injected)', flush=True)\n"
+        "        raise MemoryError('injected: out of device memory')\n"
+        "    engine.build_model = build_model\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    r = subprocess.run(["timeout", "300", sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "generate",
+                        "--model", tiny_qwen2_dir, "--prompt", "hi", "--tensor-parallel-size", "2", "--no-tqdm"],
+                       capture_output=True, text=True, env=env, timeout=310)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    # the rank's exit may be seen first (heartbeat) or its report: both name rank 1 and carry its own error
+    assert lines[0].startswith("error: tensor-parallel rank 1 ") and "during startup" in lines[0], lines
+    assert "MemoryError: injected: out of device memory" in lines[0]
+    assert "its log ends:" in lines[0] and "(log: " in lines[0] and "Traceback" not in r.stderr

@@ -15,6 +15,11 @@ from fastdeploy_ext.layers.backend import AttentionBackend
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 
+# The warm-up prefill's matmul work bound (2 flops per parameter and token): about 0.1-0.2 s on 2 cores.
+WARM_UP_FLOPS = 1e10
+WARM_UP_MIN_TOKENS = 16
+
+
 @dataclass
 class StepLogits:
     """Per scheduled sequence (in the caller's order): the logits row to sample from (or None; a
@@ -73,7 +78,10 @@ class ModelRunner:
         pages). On the CPU VM of docs/benchmarks.md the MiniMax benchmark's first 2048-token prefill took 32.7k
         minor page faults and ~1.0 s against ~0.63 s for the next one; this pays that at start-up. The KV pages
         and state slots it writes are free: a request writes its KV before reading it, and a request starting
-        at position 0 gets a zeroed state slot."""
+        at position 0 gets a zeroed state slot. The dummy prompt is bounded by :data:`WARM_UP_FLOPS`: a
+        2048-token prefill of a 0.5B model is ~2 TFLOP, tens of seconds on 2 cores to save a fraction of one."""
+        params = sum(int(p.numel()) for p in self.model.parameters())
+        num_tokens = min(num_tokens, max(WARM_UP_MIN_TOKENS, int(WARM_UP_FLOPS // max(1, 2 * params))))
         bs = self.block_size
         seqs = max(1, min(num_seqs, num_tokens))
         length = max(1, min(max_len, -(-num_tokens // seqs)))

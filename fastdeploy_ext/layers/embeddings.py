@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import nn
+from paddle.utils import dlpack
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import (
@@ -17,12 +19,15 @@ from fastdeploy_ext.layers.utils import (
     accum_dtype,
     as_float32,
     assign,
+    backend_of,
     check_shape,
     compute_dtype,
     create_param,
     mark_loaded,
     shape_of,
 )
+from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host.gemm import matmul_into
 
 
 class VocabParallelEmbedding(nn.Layer):
@@ -44,6 +49,10 @@ class VocabParallelEmbedding(nn.Layer):
         self.embeddings.weight = create_param(self.embeddings, [self.per_rank, embedding_dim], compute_dtype(fd_config))
         self.embeddings.weight.weight_loader = self.weight_loader
         self.embeddings.weight.param_path = f"{prefix}.embeddings.weight"
+        # The host backend looks rows up and computes tied logits in NumPy (ops/host/gemm.py).
+        self.host = backend_of(fd_config) == "host" and compute_dtype(fd_config) == "float32"
+        if self.host and self.tp_size == 1:
+            self.forward = self._forward_host
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:
@@ -51,6 +60,9 @@ class VocabParallelEmbedding(nn.Layer):
         check_shape(param.param_path, shape_of(loaded_weight), (self.num_embeddings, self.embedding_dim))
         assign(param, as_float32(loaded_weight[self.vocab_start:self.vocab_start + self.per_rank]))
         mark_loaded(param)
+
+    def _forward_host(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
+        return dlpack.from_dlpack(np.take(host_view(self.embeddings.weight), host_view(ids_remove_padding), axis=0))
 
     def forward(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
         """``ids_remove_padding`` ``[T]`` int64 → ``[T, embedding_dim]``."""
@@ -80,6 +92,7 @@ class ParallelLMHead(nn.Layer):
         self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], accum_dtype(fd_config))
         self.linear.weight.weight_loader = self.weight_loader
         self.linear.weight.param_path = f"{prefix}.linear.weight"
+        self.host = backend_of(fd_config) == "host" and accum_dtype(fd_config) == "float32"
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:
@@ -91,7 +104,10 @@ class ParallelLMHead(nn.Layer):
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """``hidden`` ``[T, H]`` → logits ``[T, V]`` in the weight's dtype."""
-        logits = paddle.matmul(hidden.astype(self.linear.weight.dtype), self.linear.weight)
+        if self.host:
+            logits = _host_logits(hidden, host_view(self.linear.weight))
+        else:
+            logits = paddle.matmul(hidden.astype(self.linear.weight.dtype), self.linear.weight)
         return tensor_model_parallel_all_gather(logits, self.fd_config, axis=-1)
 
 
@@ -99,6 +115,16 @@ def tied_lm_logits(embed_tokens: VocabParallelEmbedding, hidden: paddle.Tensor, 
     """Logits ``[T, V]`` in max(float32, compute dtype) from the (vocab-parallel) input embedding, for tied
     ``lm_head`` configs."""
     dtype = accum_dtype(fd_config)
-    weight = embed_tokens.embeddings.weight.astype(dtype)
-    logits = paddle.matmul(hidden.astype(dtype), weight, transpose_y=True)
+    if embed_tokens.host:
+        logits = _host_logits(hidden, host_view(embed_tokens.embeddings.weight).T)
+    else:
+        weight = embed_tokens.embeddings.weight.astype(dtype)
+        logits = paddle.matmul(hidden.astype(dtype), weight, transpose_y=True)
     return tensor_model_parallel_all_gather(logits, fd_config, axis=-1)
+
+
+def _host_logits(hidden: paddle.Tensor, weight) -> paddle.Tensor:
+    """``hidden @ weight`` (``weight`` ``[H, V]``, a transposed view of a tied embedding included) in float32."""
+    h = host_view(hidden.astype("float32"))
+    out = np.empty((h.shape[0], weight.shape[1]), np.float32)
+    return dlpack.from_dlpack(matmul_into(h, weight, out))

@@ -7,8 +7,10 @@ part before materialising it, so a rank never reads more than its shard.
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import nn
+from paddle.utils import dlpack
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
@@ -16,12 +18,15 @@ from fastdeploy_ext.layers.utils import (
     WeightLoadError,
     as_float32,
     assign,
+    backend_of,
     check_shape,
     compute_dtype,
     create_param,
     mark_loaded,
     shape_of,
 )
+from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host.gemm import matmul_into
 from fastdeploy_ext.quantization.methods import get_quant_method
 
 
@@ -49,6 +54,10 @@ class LinearBase(nn.Layer):
         self.output_size_per_partition = output_size
         self.skip_quant = skip_quant or weight_dtype is not None
         self.quant_method = get_quant_method(getattr(fd_config, "quant_config", None), self)
+        self.host = backend_of(fd_config) == "host" and self.quant_method is None and self.weight_dtype == "float32"
+        if self.host:
+            self._matmul = self._matmul_host
+            self.forward = self._forward_host
 
     def _create_params(self, expected_shards=None):
         if self.quant_method is not None:
@@ -96,6 +105,19 @@ class LinearBase(nn.Layer):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         return paddle.matmul(x, self.weight)
+
+    def _matmul_host(self, x: paddle.Tensor, with_bias: bool = False) -> paddle.Tensor:
+        """The host backend's ``x @ W`` (+ the bias where asked): NumPy's OpenBLAS over the host threads
+        (``ops/host/gemm.py``: Paddle's MKL runs at less than half the rate on AMD CPUs)."""
+        xh = host_view(x)
+        w = host_view(self.weight)
+        x2 = xh.reshape(-1, xh.shape[-1])
+        out = np.empty((x2.shape[0], w.shape[1]), np.float32)
+        matmul_into(x2, w, out, host_view(self.bias) if with_bias else None)
+        return dlpack.from_dlpack(out.reshape(*xh.shape[:-1], w.shape[1]))
+
+    def _forward_host(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self._matmul_host(x, with_bias=self.bias is not None)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.bias is not None and self.quant_method is None and x.ndim == 2:
@@ -231,6 +253,14 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix}: input_size / tensor_parallel_size")
         self._create_params()
+        if self.host:
+            self.forward = self._forward_row_host
+
+    def _forward_row_host(self, x: paddle.Tensor) -> paddle.Tensor:
+        # Without a reduction the bias joins the product; with one it is added once, after it.
+        if not (self.reduce_results and self.tp_size > 1):
+            return self._matmul_host(x, with_bias=self.bias is not None)
+        return RowParallelLinear.forward(self, x)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
         if shard_id is not None:

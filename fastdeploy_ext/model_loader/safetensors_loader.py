@@ -20,6 +20,37 @@ from fastdeploy_ext.layers.utils import WeightLoadError, is_fully_loaded
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
+_NUMPY_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+_maps: dict = {}
+
+
+def _mapped(path: str, name: str, shape: tuple, dtype: str) -> np.ndarray:
+    """Tensor ``name`` of safetensors file ``path`` as a read-only view of the file mapped into memory, after
+    checking that its header entry has the expected dtype and shape and that its bytes lie inside the file."""
+    try:
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in _maps:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n <= 0 or 8 + n > st.st_size:
+                    raise ValueError(f"header length {n} does not fit the file's {st.st_size} bytes")
+                header = json.loads(f.read(n))
+            _maps.clear()  # one file mapped at a time: a checkpoint is read file by file
+            _maps[key] = (np.memmap(path, dtype=np.uint8, mode="r"), 8 + n, header)
+        mapped, start, header = _maps[key]
+        entry = header[name]
+        begin, end = (int(x) for x in entry["data_offsets"])
+        itemsize = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+        if entry["dtype"] != dtype or tuple(entry["shape"]) != shape or end - begin != math.prod(shape) * itemsize \
+                or begin < 0 or start + end > st.st_size:
+            raise ValueError(f"header entry {entry} does not hold a {dtype} tensor of shape {list(shape)} inside "
+                             f"the file's {st.st_size} bytes")
+        return mapped[start + begin:start + end].view(_NUMPY_DTYPES[dtype]).reshape(shape)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightLoadError(f"cannot read tensor '{name}' from {path}: {e}") from e
+
+
 class LazyTensor:
     def __init__(self, path: str, name: str, shape, dtype: str):
         self.path, self.name = path, name
@@ -34,12 +65,17 @@ class LazyTensor:
             # with their stored dtype through quantization.numerics.RawTensor, never through here.
             raise WeightLoadError(f"tensor '{self.name}' in {self.path} is stored as {self.dtype}, but the parameter "
                                   f"it fills is floating point (expected one of {', '.join(sorted(FLOAT_DTYPES))})")
+        if self.dtype in _NUMPY_DTYPES:
+            # A read-only view of the mapped file: the parameter's copy is the one pass over the weight (a
+            # safetensors read, Paddle's tensor and its .numpy() copy were three).
+            t = _mapped(self.path, self.name, self.shape, self.dtype)[idx]
+            return t if t.dtype == np.float32 else t.astype(np.float32)
         try:
             with safe_open(self.path, framework="paddle") as f:
                 t = f.get_slice(self.name)[idx]
         except Exception as e:  # safetensors raises its own error types for truncated data
             raise WeightLoadError(f"cannot read tensor '{self.name}' from {self.path}: {e}") from e
-        return t.astype("float32").numpy() if str(t.dtype) != "paddle.float32" else t.numpy()
+        return t.astype("float32").numpy()
 
     def materialize(self) -> np.ndarray:
         return self[:] if self.shape else self[()]
@@ -125,10 +161,25 @@ def checkpoint_layout(model_dir: str) -> list[tuple[str, list[tuple[str, tuple, 
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, LazyTensor]]:
-    """Yield ``(name, LazyTensor)`` for every tensor of the checkpoint, file by file."""
-    for path, specs in checkpoint_layout(model_dir):
-        for name, shape, dtype in specs:
-            yield name, LazyTensor(path, name, shape, dtype)
+    """Yield ``(name, LazyTensor)`` for every tensor of the checkpoint, file by file. A load that takes more
+    than :data:`PROGRESS_AFTER_S` shows a progress bar (bytes consumed) on an interactive terminal."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    layout = checkpoint_layout(model_dir)
+    total = sum(math.prod(shape) * _ITEM_BYTES.get(dtype, 4) for _, specs in layout for _, shape, dtype in specs)
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, delay=PROGRESS_AFTER_S,
+              disable=not sys.stderr.isatty(), leave=False) as bar:
+        for path, specs in layout:
+            for name, shape, dtype in specs:
+                yield name, LazyTensor(path, name, shape, dtype)
+                bar.update(math.prod(shape) * _ITEM_BYTES.get(dtype, 4))
+
+
+PROGRESS_AFTER_S = 2.0
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 # A config may imply at most this many times the checkpoint's elements (plus the slack below) before anything

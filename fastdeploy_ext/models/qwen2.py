@@ -36,10 +36,15 @@ class Qwen2MLP(nn.Layer):
             fd_config, f"{prefix}.up_gate_proj", cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size]
         )
         self.down_proj = RowParallelLinear(fd_config, f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size)
+        self.swiglu = nn.functional.swiglu
+        if self.up_gate_proj.host:
+            from fastdeploy_ext.ops.host.activation import swiglu
+
+            self.swiglu = swiglu
 
     def forward(self, x):
         # swiglu splits the last dim in halves: silu(gate) * up, one kernel.
-        return self.down_proj(nn.functional.swiglu(self.up_gate_proj(x)))
+        return self.down_proj(self.swiglu(self.up_gate_proj(x)))
 
 
 class Qwen2Attention(nn.Layer):

@@ -9,8 +9,10 @@ import numpy as np
 
 
 def host_view(t) -> np.ndarray:
-    """A NumPy view of a Paddle CPU tensor's memory (a contiguous copy first if it is strided).
-    Writes through the view land in the tensor."""
+    """A NumPy view of a Paddle CPU tensor's memory, strided views (q/k/v columns of a fused projection)
+    included: DLPack carries the strides. Writes through the view land in the tensor. (Paddle's
+    ``contiguous()`` of a small strided tensor took 1.2 ms per call on a busy 2-core box: 57 ms of a
+    24-layer decode step.)"""
     if not t.place.is_cpu_place():
         raise ValueError(f"the host backend runs on CPU tensors, got one on {t.place}")
-    return np.from_dlpack(t if t.is_contiguous() else t.contiguous())
+    return np.from_dlpack(t if t.stop_gradient else t.detach())  # detach shares the memory

@@ -1,0 +1,52 @@
+"""The host GEMM split, the transposing weight copy and the host SwiGLU against float64 references."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy_ext.ops.host.activation import swiglu
+from fastdeploy_ext.ops.host.copy import copy_into
+from fastdeploy_ext.ops.host.gemm import matmul_into
+from fastdeploy_ext.ops.host.host_threads import host_threads, set_host_threads
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = host_threads()
+    set_host_threads(request.param)
+    yield request.param
+    set_host_threads(before)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (17, 255, 1000), (257, 64, 3000), (1, 17, 1), (40, 300, 5000)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK.T"])
+def test_matmul_into_matches_float64(threads, m, k, n, transposed):
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    wv = np.ascontiguousarray(w.T).T if transposed else w
+    out = np.full((m, n), np.nan, np.float32)
+    matmul_into(x, wv, out, b)
+    ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (17, 255), (1000, 257), (129, 4864)])
+def test_copy_into_transposed_view_is_exact(shape):
+    src = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    dst = np.zeros(shape[::-1], np.float32)
+    copy_into(dst, src.T)
+    assert np.array_equal(dst, src.T)
+    with pytest.raises(ValueError, match="copy of"):
+        copy_into(np.zeros((shape[1] + 1, shape[0]), np.float32), src.T)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 1000])
+def test_swiglu_matches_float64(threads, rows):
+    x = np.random.default_rng(rows).standard_normal((rows, 2 * 257)).astype(np.float32)
+    out = swiglu(paddle.to_tensor(x)).numpy()
+    g, u = x[:, :257].astype(np.float64), x[:, 257:].astype(np.float64)
+    ref = g / (1 + np.exp(-g)) * u
+    assert out.shape == (rows, 257)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6

@@ -81,26 +81,16 @@ def assign(param: paddle.Tensor, value: np.ndarray, index=None):
             raise WeightLoadError(f"'{getattr(param, 'param_path', param.name)}'{'' if index is None else f'[{index}]'}: "
                                   f"value {list(value.shape)} does not fit slot {list(target.shape)}")
         return
-    if isinstance(value, np.ndarray) and value.dtype.kind == "f" and _host_float(param):
-        # Straight into the parameter's memory: one pass over the value, none through Paddle tensors.
-        from fastdeploy_ext.ops.host import host_view
-        from fastdeploy_ext.ops.host.copy import copy_into
+    from fastdeploy_ext.ops.host.copy import assign_host
 
-        target = host_view(param)
-        target = target if index is None else target[index]
-        if target.shape == value.shape:
-            copy_into(target, value)
-            return
+    if assign_host(param, value, index):  # straight into a CPU parameter's memory: one pass over the value
+        return
     t = paddle.to_tensor(np.ascontiguousarray(value)).astype(param.dtype)
     with paddle.no_grad():
         if index is None:
             param.set_value(t)
         else:
             param[index] = t
-
-
-def _host_float(param) -> bool:
-    return param.place.is_cpu_place() and param.dtype in (paddle.float32, paddle.float64, paddle.float16)
 
 
 def mark_loaded(param, shard_id=None):

@@ -1,6 +1,6 @@
 """RMSNorm with its fused residual add on the host (CPU float32), in NumPy.
 
-Paddle's ``paddle.incubate.nn.functional.fused_rms_norm`` CPU kernel is built with AVX-512 instructions and
+Paddle's fused ``fused_rms_norm`` CPU kernel is built with AVX-512 instructions and
 dies with SIGILL on CPUs without them (every AMD part before Zen 4, Intel client parts since Alder Lake), so
 the host backend does not use it. This is the same arithmetic as the plain ops of
 ``fastdeploy_ext.layers.normalization.rms_norm``: ``s = x + residual``; ``s * rsqrt(mean(s^2) + eps) * weight``,

@@ -13,9 +13,9 @@ publishes each chunk's starting state, and the default warpgroup computes the ou
   carries the state untransposed so that its update reads k transposed into registers instead of a second copy.
 - ``_segment_state_kernel`` (float32, split sequences): launch 1 of a split prefill, one program per (head, job).
 
-H200, N = 32768, D = 128 (docs/benchmarks.md, session 5): float32 in/out 1.30 ms at H = 64 (the earlier
-single-partition Gluon kernel 1.67, the Triton kernel 3.3), bf16 in/out 0.72-0.74 vs 1.41 ms for Triton. At H = 8 with
-bf16 the Triton kernel stays the default. IEEE mode always uses the Triton kernels.
+H200, N = 32768, D = 128 (docs/benchmarks.md): float32 in/out 1.30 ms at H = 64 against 3.3 for the Triton kernel,
+bf16 in/out 0.72-0.74 ms against 1.41. At H = 8 with bf16 the Triton kernel stays the default. IEEE mode always uses
+the Triton kernels.
 """
 
 import functools
@@ -259,16 +259,11 @@ def _output_kernel_ws(
 
     Three partitions (``num_warps`` = 4 for the default one), synchronised by mbarriers only: ``ready``/``empty``
     per ring stage (a stage is refilled once the state and output warpgroups both released it), ``st_ready``/
-    ``st_free`` per hi/lo buffer. H200, H = 64, N = 32768: one warpgroup doing all of it 1.11 ms; split into
-    state and output warpgroups 1.01; with the state's copy-out overlapping its next product 0.98; with TMA
-    output stores 0.79-0.81; with the decay mask held in registers 0.80 (bench); with the state warpgroup cut
-    from 753 to 461 instructions per chunk 0.72-0.74 (Nsight Compute: 15 % fewer cycles; under the bench the
-    GPU sits at its 700 W power cap, 1.5-1.8 GHz). Tried and dropped: two output warpgroups on alternate chunks
-    (1.59 ms), Q loaded into registers once for both of its products (no gain), a two-stage ring (0.83 ms),
-    chunks in pairs so that the state's two accumulators swap registers (384 instructions per chunk, but ptxas
-    then waits on the product before half of the copy-outs: no faster), the state decayed ahead of the v load
-    to fill its latency (8 % slower). A bf16 state without the lo half was 8 % faster but at 2.7e-3 relative
-    error against the 3e-3 bound.
+    ``st_free`` per hi/lo buffer. The split into state and output warpgroups lets the state's copy-out overlap the
+    next product and the output leave by TMA stores; the state warpgroup's loop is 461 instructions per full chunk
+    (token decays computed once per chunk, hi by truncation, v·kd on packed bf16 pairs). H200, H = 64, N = 32768:
+    0.72-0.74 ms. The layouts measured and dropped (two output warpgroups, a two-stage ring, chunks in pairs, a
+    bf16 state without its lo half, which misses the 3e-3 error bound): docs/ops/lightning_attn.md.
     """
     dtype: gl.constexpr = q_desc.dtype
     start, end, neg_s, state_in, pool_at, read_ok, write_ok = _segment_job(seg_ptr, slot_ids_ptr, slopes_ptr, pool_ptr,

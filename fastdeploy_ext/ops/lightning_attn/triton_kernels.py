@@ -285,19 +285,18 @@ class LaunchConfig:
 
 # Few heads need split sequences (three launches). The Gluon kernels take half the GPU time at every size measured,
 # but their launches (TMA descriptors) cost more host time, which sets the pace of an eager call when the kernels
-# are short. H = 8, float32, eager vs CUDA graph (docs/benchmarks.md, session 4): 16384 tokens 0.39 / 0.14 ms
-# against 0.26 / 0.25 for Triton; 32768 tokens 0.25 / 0.26 against 0.48 (session 3).
+# are short. H = 8, float32, eager / CUDA graph on an H200: 16384 tokens 0.39 / 0.14 ms against 0.26 / 0.25 for
+# Triton; 32768 tokens 0.25 / 0.26 against 0.48 (docs/ops/lightning_attn.md).
 _GLUON_FEW_HEADS_MIN_TOKENS = 32768
 
 
 def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_ok=False, total_tokens=None):
-    """Measured on an H200 (docs/benchmarks.md, N = 32768, D = 128).
+    """Chosen by H200 timings at N = 32768, D = 128 (docs/benchmarks.md, docs/ops/lightning_attn.md).
 
     TF32 mode on Hopper (``gluon_ok``): the warp-specialised Gluon kernels, BV = 64, a 4-warp output warpgroup.
     float32 inputs with a two-stage ring (all shared memory allows; H = 64: 1.42 vs 3.3 ms for Triton; H = 8, split
     into segments, from ``_GLUON_FEW_HEADS_MIN_TOKENS`` tokens on, with the Gluon state pass); bf16 inputs, many
-    heads, a three-stage ring (H = 64: 0.80 vs 1.41 ms). bf16 at H = 8 stays on Triton (0.26 ms; the Gluon kernels
-    tied there before the warp-specialised one).
+    heads, a three-stage ring (H = 64: 0.80 vs 1.41 ms). bf16 at H = 8 stays on Triton (0.26 ms).
 
     Triton otherwise. Many heads: narrow value tiles (BV = 32) give ~2 programs per SM without splitting
     sequences (H = 64: 3.5 ms vs 3.9 ms for BV = 64). Few heads: BV = 64 plus segments (H = 8: 0.59 ms).
@@ -314,7 +313,7 @@ def _default_prefill_config(head_dim, dtype_name, num_heads, block_size, gluon_o
         return LaunchConfig(block_v=block_v, num_warps=8, num_stages=1)
     bf16 = dtype_name == "bfloat16"
     # Folded tile offsets helped only few-head bf16 (H = 8: 0.37 vs 0.54 ms); elsewhere they and the
-    # per-chunk decay mask measured 5-15 % slower or within noise (docs/benchmarks.md, 2026-11-30 sweep).
+    # per-chunk decay mask measured 5-15 % slower or within noise (benchmarks/sweep_lightning_prefill.py).
     return LaunchConfig(
         block_v=block_v, num_warps=4, num_stages=2 if bf16 else 1, fold_offsets=bf16 and num_heads < 32
     )

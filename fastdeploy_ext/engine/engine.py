@@ -7,8 +7,6 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import paddle
@@ -25,6 +23,7 @@ from fastdeploy_ext.config.base import (
     resolve_backend,
 )
 from fastdeploy_ext.engine import distributed
+from fastdeploy_ext.engine.args import EngineArgs
 from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
@@ -47,35 +46,6 @@ logger = logging.getLogger("fastdeploy_ext")
 DEFAULT_MAX_MODEL_LEN = 32768
 # Without num_kv_blocks, the KV pool gets at most this many bytes (CPU RAM is shared with everything else).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass
-class EngineArgs:
-    """Everything needed to rebuild the model on another process (tensor-parallel ranks)."""
-
-    model: str
-    tokenizer: str | None = None
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    dtype: str = "auto"
-    quantization: Any = None  # None, "wint8" | "wint4", {"method", "group_size", "skip_modules"} or a QuantConfig
-    seed: int = 0
-    device: str = "auto"
-    num_threads: int | None = None
-    backend: str = "auto"  # "auto" | "host" | "device" (config/base.py resolve_backend)
-    # A tensor-parallel rank whose heartbeat is silent this long fails the engine (naming the rank).
-    rank_heartbeat_timeout_s: float = 30.0
-    enable_prefix_caching: bool | None = None  # None: on where the model supports it (engine/prefix_cache.py)
-    prefix_snapshot_interval: int = 128  # blocks between recurrent-state snapshots (hybrid models)
-    num_prefix_snapshots: int | None = None  # snapshot pool slots (hybrid models); None: 2 * max_num_seqs
-    # "auto": the architecture's (minimax_m1 for MiniMax-M1); "none" or None: off. Its think tags bound
-    # where guided decoding starts.
-    reasoning_parser: str | None = "auto"
 
 
 def _say(message: str) -> None:

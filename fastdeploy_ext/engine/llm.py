@@ -4,66 +4,39 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import time
 import urllib.parse
 import urllib.request
 from typing import Any
 
+from fastdeploy_ext.engine.args import llm_docstring, llm_signature, split_keywords
 from fastdeploy_ext.engine.engine import LLMEngine
 from fastdeploy_ext.engine.request import RequestOutput
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """``LLM(model=DIR)`` loads a checkpoint directory (config.json + safetensors + tokenizer.json).
+    """``LLM(model=DIR, **keywords)`` loads a checkpoint directory (config.json + safetensors + tokenizer.json).
 
-    Engine arguments: ``tokenizer, tensor_parallel_size, max_model_len, max_num_seqs,
-    max_num_batched_tokens, enable_chunked_prefill, block_size, num_kv_blocks`` (overrides the KV pool
-    size), ``dtype, quantization, seed, device, num_threads`` (Paddle CPU threads; default: the cores
-    divided among the tensor-parallel ranks), ``backend`` (``"auto"``: the host backend for CPU float32,
-    the device backend otherwise; docs/architecture.md "Backends"), ``rank_heartbeat_timeout_s`` (a rank silent
-    this long fails the engine, 30 s by default). ``quantization``: ``"wint8"``, ``"wint4"``, a dict
-    ``{"method", "group_size", "skip_modules"}`` or a ``QuantConfig`` (docs/quantization.md); pre-quantized
-    checkpoints are recognised from config.json. ``enable_prefix_caching`` (default None: on for every model
-    that supports it), ``prefix_snapshot_interval`` (blocks, default 128) and ``num_prefix_snapshots`` (default
-    2 * max_num_seqs): docs/architecture.md "Prefix caching". A prompt dict may carry ``"cache_salt"``: cached
-    prefixes are shared only among requests with the same salt.
-    checkpoints are recognised from config.json. ``reasoning_parser`` (``"minimax_m1"``, ``"think"``, ``"qwen3"``; default
-    ``"auto"``: the architecture's, ``minimax_m1`` for MiniMax-M1; ``None`` or ``"none"`` turns it off) splits
-    ``<think>`` sections into ``outputs.reasoning_content`` in :meth:`chat` (and guided decoding starts after
-    them); ``tool_call_parser`` (default: the architecture's, e.g. ``"minimax_m1"``, ``"qwen2"``) reads the
-    calls :meth:`chat` returns in ``outputs.tool_calls``; ``chat_template`` replaces the checkpoint's.
+    The keywords are the fields of ``EngineArgs`` and ``FrontendArgs`` (engine/args.py), the same ones a deployment
+    config and the command line take; a prompt dict may also carry ``"cache_salt"`` (cached prefixes are shared only
+    among requests with the same salt). Keywords:
+
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, tensor_parallel_size: int = 1,
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, block_size: int = 16, num_kv_blocks: int | None = None,
-                 dtype: str = "auto", quantization=None, seed: int = 0, device: str = "auto",
-                 num_threads: int | None = None, backend: str = "auto", rank_heartbeat_timeout_s: float = 30.0,
-                 enable_prefix_caching: bool | None = None, prefix_snapshot_interval: int = 128,
-                 num_prefix_snapshots: int | None = None,
-                 reasoning_parser: str | None = "auto", tool_call_parser: str | None = None,
-                 chat_template: str | None = None):
+    def __init__(self, model: str, **kwargs):
         from fastdeploy_ext.engine.chat_adapter import ChatFormat
         from fastdeploy_ext.engine.reasoning_parsers import resolve_reasoning_parser
         from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
 
-        resolve_reasoning_parser(reasoning_parser, "")  # a misspelt name fails before the weights load
-        self.llm_engine = LLMEngine(
-            model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            dtype=dtype, quantization=quantization, seed=seed, device=device, num_threads=num_threads,
-            backend=backend,
-            rank_heartbeat_timeout_s=rank_heartbeat_timeout_s,
-            enable_prefix_caching=enable_prefix_caching, prefix_snapshot_interval=prefix_snapshot_interval,
-            num_prefix_snapshots=num_prefix_snapshots,
-            reasoning_parser=reasoning_parser,
-        )
+        engine_args, front = split_keywords(model, kwargs)
+        resolve_reasoning_parser(engine_args.reasoning_parser, "")  # a misspelt name fails before the weights load
+        self.llm_engine = LLMEngine(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
         self.tokenizer = self.llm_engine.tokenizer
-        parser = tool_call_parser or default_tool_parser(type(self.llm_engine.model).name())
+        parser = front.tool_call_parser or default_tool_parser(type(self.llm_engine.model).name())
         self.chat_format = ChatFormat(self.tokenizer, get_tool_parser(parser) if parser else None,
-                                      self.llm_engine.reasoning_parser, chat_template)
+                                      self.llm_engine.reasoning_parser, front.chat_template)
         self._next_id = 0
         self._finished: dict[str, RequestOutput] = {}
 
@@ -206,6 +179,11 @@ class LLM:
         if bar is not None:
             bar.close()
         return finished
+
+
+# help(LLM) and editors show every keyword with its default; the docstring lists their sentences.
+LLM.__init__.__signature__ = llm_signature()
+LLM.__doc__ += llm_docstring(indent="    ") + "\n"
 
 
 def _audio_parts(conversation, where: str) -> list:

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import paddle
 
-from fastdeploy_ext.config.midashenglm import DashengConfig
+from fastdeploy_ext.config.dasheng import DashengConfig
 from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAudioEncoder
 from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
 

@@ -30,7 +30,7 @@ def main() -> int:
     import numpy as np
 
     from fastdeploy_ext import LLM, SamplingParams
-    from fastdeploy_ext.tiny.qwen2 import write_tiny_qwen2
+    from fastdeploy_ext.models.qwen2.tiny import write_tiny_qwen2
 
     model_dir = os.path.join(tempfile.gettempdir(), "fdext_bench_qwen2")
     if not os.path.exists(os.path.join(model_dir, "config.json")):

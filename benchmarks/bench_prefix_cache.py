@@ -34,7 +34,7 @@ SYSTEM, TURN_USER, CONVERSATIONS, TURNS = 1024, 128, 8, 4
 
 def model_dir(name: str) -> str:
     from fastdeploy_ext.tiny import write_tiny
-    from fastdeploy_ext.tiny.qwen2 import write_tiny_qwen2
+    from fastdeploy_ext.models.qwen2.tiny import write_tiny_qwen2
 
     d = os.path.join(tempfile.gettempdir(), f"fdext_bench_prefix_{name}")
     if not os.path.exists(os.path.join(d, "config.json")):

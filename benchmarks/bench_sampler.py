@@ -204,7 +204,7 @@ def model_logits(rows, vocab, seed, threads):
 def tiny_vocab_model(vocab):
     import tempfile
 
-    from fastdeploy_ext.tiny.qwen2 import write_tiny_qwen2
+    from fastdeploy_ext.models.qwen2.tiny import write_tiny_qwen2
 
     model_dir = os.path.join(tempfile.gettempdir(), f"fdext_bench_qwen2_v{vocab}")
     if not os.path.exists(os.path.join(model_dir, "config.json")):

@@ -67,7 +67,7 @@ def write_big_tokenizer(out_dir: str, vocab: int, seed: int = 0) -> dict:
 
 
 def build_model(model_dir: str, vocab: int) -> int:
-    from fastdeploy_ext.tiny.qwen2 import write_tiny_qwen2
+    from fastdeploy_ext.models.qwen2.tiny import write_tiny_qwen2
 
     if os.path.exists(os.path.join(model_dir, "config.json")):
         with open(os.path.join(model_dir, "config.json")) as f:

@@ -45,6 +45,20 @@ def check_range(value, what: str, ge=None, gt=None) -> None:
         raise ConfigError(f"{what} must be > {gt}, got {value!r}")
 
 
+def rope_theta_of(cfg: dict, where: str, default=None) -> float:
+    """``rope_theta`` at top level (transformers 4.x) or in ``rope_parameters`` (5.x)."""
+    params = cfg.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        check_range(params["rope_theta"], f"{where}: key 'rope_parameters.rope_theta'", gt=0)
+        return float(params["rope_theta"])
+    if cfg.get("rope_theta") is not None:
+        check_range(cfg["rope_theta"], f"{where}: key 'rope_theta'", gt=0)
+        return float(cfg["rope_theta"])
+    if default is None:
+        raise ConfigError(f"{where}: 'rope_theta' (or rope_parameters.rope_theta) is missing")
+    return float(default)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if denominator <= 0 or numerator % denominator:
         raise ConfigError(f"{what}: {numerator} is not divisible by {denominator}")

@@ -495,7 +495,7 @@ def run_alignment(model_dir: str, prompt: str, audio: list | None = None, refere
 
     from fastdeploy_ext import LLM
     from fastdeploy_ext.layers.audio.io import load_audio, pad_to_min_samples
-    from fastdeploy_ext.models.midashenglm import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
+    from fastdeploy_ext.models.midashenglm.model import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
 
     ref_dir = reference_dir or model_dir
     # One sequence, one step: the whole prompt must fit max_num_batched_tokens.

@@ -151,7 +151,7 @@ def _generate_requests(args):
         if not text:
             raise UsageError(f"{where} is empty")
         if clips:
-            from fastdeploy_ext.models.midashenglm import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
+            from fastdeploy_ext.models.midashenglm.model import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
 
             if AUDIO_TOKEN not in text:
                 text = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(clips) + text

@@ -64,7 +64,7 @@ def _qwen2_tensors(cfg, prefix: str, head: str | None) -> list[Tensor]:
 
 
 def _qwen2_shape(raw: dict) -> ModelShape:
-    from fastdeploy_ext.config.qwen2 import Qwen2Config
+    from fastdeploy_ext.models.qwen2.config import Qwen2Config
 
     cfg = Qwen2Config.from_hf_config(raw)
     head = None if cfg.tie_word_embeddings else "lm_head.weight"
@@ -78,7 +78,7 @@ def _qwen2_shape(raw: dict) -> ModelShape:
 
 
 def _minimax_shape(raw: dict) -> ModelShape:
-    from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
+    from fastdeploy_ext.models.minimax_m1.config import LINEAR, MiniMaxM1Config
 
     cfg = MiniMaxM1Config.from_hf_config(raw)
     h, v, d, heads, kvh = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -118,8 +118,8 @@ def _minimax_shape(raw: dict) -> ModelShape:
 
 
 def _midashenglm_shape(raw: dict) -> ModelShape:
-    from fastdeploy_ext.config.midashenglm import MiDashengLMConfig
-    from fastdeploy_ext.config.qwen2 import Qwen2Config
+    from fastdeploy_ext.models.midashenglm.config import MiDashengLMConfig
+    from fastdeploy_ext.models.qwen2.config import Qwen2Config
 
     cfg = MiDashengLMConfig.from_hf_config(raw)
     text = Qwen2Config.from_hf_config(cfg.text_config, where="config.json: text_config")

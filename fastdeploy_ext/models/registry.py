@@ -10,11 +10,11 @@ import importlib
 from fastdeploy_ext.config.base import ConfigError
 
 _MODELS: dict[str, tuple[str, str]] = {
-    "Qwen2ForCausalLM": ("fastdeploy_ext.models.qwen2", "Qwen2ForCausalLM"),
-    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxM1ForCausalLM"),
-    "MiniMaxText01ForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxText01ForCausalLM"),
-    "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1", "MiniMaxForCausalLM"),
-    "MiDashengLMModel": ("fastdeploy_ext.models.midashenglm", "MiDashengLMModel"),
+    "Qwen2ForCausalLM": ("fastdeploy_ext.models.qwen2.model", "Qwen2ForCausalLM"),
+    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1.model", "MiniMaxM1ForCausalLM"),
+    "MiniMaxText01ForCausalLM": ("fastdeploy_ext.models.minimax_m1.model", "MiniMaxText01ForCausalLM"),
+    "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1.model", "MiniMaxForCausalLM"),
+    "MiDashengLMModel": ("fastdeploy_ext.models.midashenglm.model", "MiDashengLMModel"),
 }
 
 

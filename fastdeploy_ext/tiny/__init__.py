@@ -7,10 +7,10 @@ import json
 import os
 
 _WRITERS = {
-    "Qwen2ForCausalLM": ("fastdeploy_ext.tiny.qwen2", "write_tiny_qwen2"),
-    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.tiny.minimax_m1", "write_tiny_minimax_m1"),
-    "MiniMaxForCausalLM": ("fastdeploy_ext.tiny.minimax_m1", "write_tiny_minimax_hf"),
-    "MiDashengLMModel": ("fastdeploy_ext.tiny.midashenglm", "write_tiny_midashenglm"),
+    "Qwen2ForCausalLM": ("fastdeploy_ext.models.qwen2.tiny", "write_tiny_qwen2"),
+    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1.tiny", "write_tiny_minimax_m1"),
+    "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1.tiny", "write_tiny_minimax_hf"),
+    "MiDashengLMModel": ("fastdeploy_ext.models.midashenglm.tiny", "write_tiny_midashenglm"),
 }
 
 

@@ -33,7 +33,7 @@ def test_batch_invariance_with_preemption(tiny_qwen2_dir, alone):
 def test_last_layer_on_output_rows_only_equals_all_rows(tiny_qwen2_dir, monkeypatch):
     """Qwen2's last layer attends and runs its MLP for the sampled rows only; with every row computed
     the same queued, mixed and chunked workload gives the same tokens and logprobs."""
-    from fastdeploy_ext.models.qwen2 import Qwen2ForCausalLM
+    from fastdeploy_ext.models.qwen2.model import Qwen2ForCausalLM
 
     selected_steps = []
     forward = Qwen2ForCausalLM.forward

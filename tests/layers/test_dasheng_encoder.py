@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from fastdeploy_ext.config.base import ConfigError
-from fastdeploy_ext.config.midashenglm import DashengConfig, MiDashengLMConfig
+from fastdeploy_ext.config.dasheng import DashengConfig
 from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAttention, DashengAudioEncoder
 from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
 from fastdeploy_ext.layers.utils import WeightLoadError
+from fastdeploy_ext.models.midashenglm.config import MiDashengLMConfig
 from tests.torchaudio_fix import fix_torchaudio
 
 SR = 16000
@@ -288,7 +289,8 @@ import json, sys
 import numpy as np, paddle, paddle.distributed as dist
 from fastdeploy_ext.config.base import FDConfig, ParallelConfig
 from fastdeploy_ext.config.base import ConfigError
-from fastdeploy_ext.config.midashenglm import DashengConfig, MiDashengLMConfig
+from fastdeploy_ext.config.dasheng import DashengConfig
+from fastdeploy_ext.models.midashenglm.config import MiDashengLMConfig
 from fastdeploy_ext.layers.audio.dasheng import DashengAudioEncoder
 
 dist.init_parallel_env()

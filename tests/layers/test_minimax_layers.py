@@ -11,16 +11,16 @@ import paddle
 import pytest
 
 from fastdeploy_ext.config.base import FDConfig, LoadConfig, ParallelConfig
-from fastdeploy_ext.config.minimax_m1 import MiniMaxM1Config
+from fastdeploy_ext.models.minimax_m1.config import MiniMaxM1Config
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata, alibi_slopes, lightning_slopes
 from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError
-from fastdeploy_ext.models.minimax_m1 import MiniMaxM1DecoderLayer
+from fastdeploy_ext.models.minimax_m1.model import MiniMaxM1DecoderLayer
 from fastdeploy_ext.ops.host import cpu_gemm
 from fastdeploy_ext.ops.host.moe import HostMoE
-from fastdeploy_ext.tiny.minimax_m1 import write_tiny_minimax_m1
+from fastdeploy_ext.models.minimax_m1.tiny import write_tiny_minimax_m1
 
 REL_TOL = 1e-5
 

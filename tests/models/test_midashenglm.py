@@ -27,8 +27,8 @@ from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
 from fastdeploy_ext.config.base import ConfigError  # noqa: E402
 from fastdeploy_ext.entrypoints.align import MiDashengLMOracle  # noqa: E402
 from fastdeploy_ext.layers.utils import WeightLoadError  # noqa: E402
-from fastdeploy_ext.models.midashenglm import MiDashengLMModel  # noqa: E402
-from fastdeploy_ext.models.qwen2 import QWEN2_STACKED_PARAMS  # noqa: E402
+from fastdeploy_ext.models.midashenglm.model import MiDashengLMModel  # noqa: E402
+from fastdeploy_ext.models.qwen2.model import QWEN2_STACKED_PARAMS  # noqa: E402
 from fastdeploy_ext.tiny import write_tiny  # noqa: E402
 
 SR = 16000

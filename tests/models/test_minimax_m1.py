@@ -18,7 +18,7 @@ import transformers  # noqa: F401  (the test extra installs it; missing = a fail
 
 from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
 from fastdeploy_ext.config.base import ConfigError  # noqa: E402
-from fastdeploy_ext.config.minimax_m1 import FULL, LINEAR, MiniMaxM1Config  # noqa: E402
+from fastdeploy_ext.models.minimax_m1.config import FULL, LINEAR, MiniMaxM1Config  # noqa: E402
 from fastdeploy_ext.layers.utils import WeightLoadError  # noqa: E402
 from fastdeploy_ext.models.registry import get_model_class  # noqa: E402
 from fastdeploy_ext.tiny import write_tiny  # noqa: E402

@@ -21,7 +21,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fastdeploy_ext.config.midashenglm import DashengConfig
+from fastdeploy_ext.config.dasheng import DashengConfig
 from fastdeploy_ext.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, compute_dtype
 from fastdeploy_ext.layers.utils import accum_dtype, create_param, default_weight_loader
 

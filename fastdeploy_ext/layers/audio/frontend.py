@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import paddle
 
-from fastdeploy_ext.config.midashenglm import F_MAX, F_MIN, HOP_LENGTH, N_FFT, N_MELS, SAMPLE_RATE, WIN_LENGTH
+from fastdeploy_ext.config.dasheng import F_MAX, F_MIN, HOP_LENGTH, N_FFT, N_MELS, SAMPLE_RATE, WIN_LENGTH
 
 AMIN = 1e-10
 TOP_DB = 120.0

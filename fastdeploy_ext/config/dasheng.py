@@ -1,8 +1,4 @@
-"""Typed config for MiDashengLM: Dasheng audio encoder + subsampling projector + Qwen2 decoder.
-
-``config.json`` layout (HF ``MiDashengLMConfig``): top-level ``architectures``, ``subsample_factor``, ``audio_token_id``,
-and two nested dicts, ``audio_encoder_config`` (``DashengConfig``) and ``text_config`` (a Qwen2.5-Omni text config,
-parsed by :class:`fastdeploy_ext.config.qwen2.Qwen2Config`; kept raw here).
+"""Typed config of the Dasheng audio encoder (``audio_encoder_config``) and the log-mel frontend it reads.
 
 Encoder keys whose HF class default differs from the 7B value (embed_dim, depth, num_heads, patch_size,
 patch_stride, target_length) are required: silently falling back to the class default would build a different
@@ -15,10 +11,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from fastdeploy_ext.config.base import ConfigError, divide, get_key
-
-ARCHITECTURE = "MiDashengLMModel"
-# The first 0804 upload used these names for the same weights under another module tree.
-_LEGACY_ARCHITECTURES = ("DashengQwen25OmniModelInstruct",)
 
 # The log-mel frontend the package computes with (Dasheng's torchaudio MelSpectrogram settings).
 SAMPLE_RATE = 16000
@@ -153,63 +145,4 @@ class DashengConfig:
             qkv_bias=bool(get_key(cfg, "qkv_bias", where, default=True, types=(bool,))),
             init_values=None,
             input_channels=input_channels,
-        )
-
-
-@dataclass(frozen=True)
-class MiDashengLMConfig:
-    """Top-level MiDashengLM config.
-
-    ``text_config`` is the raw decoder dict; ``audio_token_id`` is None when config.json omits it (the processor
-    then takes ``<|AUDIO|>`` from the tokenizer; see :meth:`check_audio_token_id`).
-    """
-
-    architectures: list
-    audio_encoder_config: DashengConfig
-    text_config: dict
-    subsample_factor: int
-    audio_token_id: Optional[int]
-    text_hidden_size: int
-
-    @property
-    def projector_input_dim(self) -> int:
-        """``embed_dim * subsample_factor``: 5 consecutive 40 ms frames concatenated frame-major."""
-        return self.audio_encoder_config.embed_dim * self.subsample_factor
-
-    def check_audio_token_id(self, tokenizer_id: int) -> int:
-        """The ``<|AUDIO|>`` id to use, given the tokenizer's; both must agree when config.json names one."""
-        if self.audio_token_id is not None and self.audio_token_id != tokenizer_id:
-            raise ConfigError(
-                f"config.json audio_token_id {self.audio_token_id} != tokenizer's <|AUDIO|> id {tokenizer_id}"
-            )
-        return tokenizer_id
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "MiDashengLMConfig":
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{where} must be a JSON object, got {type(cfg).__name__}")
-        architectures = get_key(cfg, "architectures", where, types=(list,))
-        if ARCHITECTURE not in architectures:
-            legacy = [a for a in architectures if a in _LEGACY_ARCHITECTURES]
-            hint = " (the first 0804 'miaudiollm' upload; use a current MiDashengLM revision)" if legacy else ""
-            raise ConfigError(f"{where}: architectures {architectures} does not contain {ARCHITECTURE!r}{hint}")
-        encoder = DashengConfig.from_hf_config(
-            get_key(cfg, "audio_encoder_config", where, types=(dict,)), f"{where}: audio_encoder_config"
-        )
-        text_config = get_key(cfg, "text_config", where, types=(dict,))
-        text_hidden_size = get_key(text_config, "hidden_size", f"{where}: text_config", types=(int,), ge=1)
-        subsample_factor = get_key(cfg, "subsample_factor", where, default=5, types=(int,))
-        if subsample_factor < 1:
-            raise ConfigError(f"{where}: key 'subsample_factor' must be >= 1, got {subsample_factor}")
-        audio_token_id = get_key(cfg, "audio_token_id", where, default=None, types=(int,))
-        vocab_size = text_config.get("vocab_size")
-        if audio_token_id is not None and isinstance(vocab_size, int) and not 0 <= audio_token_id < vocab_size:
-            raise ConfigError(f"{where}: audio_token_id {audio_token_id} outside text_config.vocab_size {vocab_size}")
-        return cls(
-            architectures=list(architectures),
-            audio_encoder_config=encoder,
-            text_config=dict(text_config),
-            subsample_factor=subsample_factor,
-            audio_token_id=audio_token_id,
-            text_hidden_size=text_hidden_size,
         )

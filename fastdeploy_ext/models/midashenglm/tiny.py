@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from fastdeploy_ext.tiny.common import WeightFactory, save_checkpoint, write_json
-from fastdeploy_ext.tiny.qwen2 import TINY_QWEN2, qwen2_tensors
+from fastdeploy_ext.models.qwen2.tiny import TINY_QWEN2, qwen2_tensors
 from fastdeploy_ext.tiny.tokenizer import AUDIO_SPECIAL_TOKENS, write_tiny_tokenizer
 
 TINY_DASHENG = dict(

@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fastdeploy_ext.config.qwen2 import Qwen2Config
+from fastdeploy_ext.models.qwen2.config import Qwen2Config
 from fastdeploy_ext.layers.attention import Attention
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding, tied_lm_logits
 from fastdeploy_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

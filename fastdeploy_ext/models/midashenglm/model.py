@@ -13,7 +13,6 @@ Checkpoint names (spec §7, docs/models/midashenglm.md): ``audio_encoder.*`` (``
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,24 +21,19 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fastdeploy_ext.config.base import ConfigError
-from fastdeploy_ext.config.midashenglm import MiDashengLMConfig
-from fastdeploy_ext.config.qwen2 import Qwen2Config
 from fastdeploy_ext.layers.audio.dasheng import AudioProjectorSubsample, DashengAudioEncoder
 from fastdeploy_ext.layers.audio.frontend import log_mel_spectrogram
 from fastdeploy_ext.layers.audio.io import audio_token_count, load_audio, pad_to_min_samples
-from fastdeploy_ext.layers.embeddings import ParallelLMHead
+from fastdeploy_ext.layers.embeddings import ParallelLMHead, tied_lm_logits
 from fastdeploy_ext.layers.utils import WeightLoadError
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, load_weights_by_table
-from fastdeploy_ext.layers.embeddings import tied_lm_logits
-from fastdeploy_ext.models.qwen2 import QWEN2_IGNORED, Qwen2Model, _check_tied_head
+from fastdeploy_ext.models.midashenglm.config import MiDashengLMModelConfig
+from fastdeploy_ext.models.qwen2.config import Qwen2Config
+from fastdeploy_ext.models.qwen2.model import QWEN2_IGNORED, Qwen2Model, _check_tied_head
 
 AUDIO_TOKEN = "<|AUDIO|>"
 AUDIO_BOS = "<|audio_bos|>"
 AUDIO_EOS = "<|audio_eos|>"
-
-# Qwen2.5-Omni's text config class default; Qwen2Config's own default (1e4) would silently build another model.
-OMNI_ROPE_THETA = 1e6
 
 # Checkpoint tensors that are never loaded: BatchNorm's step counter and the mel filterbank / window some revisions
 # persist (possibly bf16-rounded; the frontend recomputes them in float64). Anything else unmatched is an error.
@@ -55,45 +49,6 @@ RENAMED_TENSORS = {
 }
 # Shard id of every checkpoint projection named in packed_modules_mapping.
 SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}
-
-
-@dataclass(frozen=True)
-class MiDashengLMModelConfig(MiDashengLMConfig):
-    """:class:`MiDashengLMConfig` plus the parsed decoder (``text``) and the fields the engine reads.
-
-    ``tie_word_embeddings_given`` is False when neither ``text_config`` nor the top level sets
-    ``tie_word_embeddings``: transformers 4.x then unties and 5.x ties, so the checkpoint decides (a stored
-    ``decoder.lm_head.weight`` means untied; without one loading fails).
-    """
-
-    text: Qwen2Config
-    tie_word_embeddings_given: bool
-
-    @property
-    def vocab_size(self) -> int:
-        return self.text.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.text.max_position_embeddings
-
-    @property
-    def eos_token_id(self) -> list:
-        return self.text.eos_token_id
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, where: str = "config.json") -> "MiDashengLMModelConfig":
-        base = MiDashengLMConfig.from_hf_config(cfg, where)
-        text = dict(base.text_config)
-        tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
-        if tie is not None and not isinstance(tie, bool):
-            raise ConfigError(f"{where}: 'tie_word_embeddings' must be a bool, got {tie!r}")
-        text["tie_word_embeddings"] = bool(tie)
-        if "rope_theta" not in text and "rope_theta" not in (text.get("rope_parameters") or {}):
-            text["rope_theta"] = OMNI_ROPE_THETA
-        decoder = Qwen2Config.from_hf_config(text, where=f"{where}: text_config")
-        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(MiDashengLMConfig)}
-        return cls(**fields, text=decoder, tie_word_embeddings_given=tie is not None)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import re
 
 from paddle import nn
 
-from fastdeploy_ext.config.minimax_m1 import LINEAR, MiniMaxM1Config
+from fastdeploy_ext.models.minimax_m1.config import LINEAR, MiniMaxM1Config
 from fastdeploy_ext.layers.attention import Attention
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
 from fastdeploy_ext.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastdeploy_ext.config.base import ConfigError, divide, get_key
-from fastdeploy_ext.config.qwen2 import rope_theta_of
+from fastdeploy_ext.config.base import ConfigError, divide, get_key, rope_theta_of
 
 LINEAR = "linear_attention"
 FULL = "full_attention"

@@ -86,12 +86,24 @@ _TYPE_NAMES = {"str": str, "int": int, "float": float, "bool": bool, "dict": dic
 def value_types(f: dataclasses.Field) -> tuple:
     """The Python types a config file or a flag can give a field, read from its annotation (a float field takes
     ints too; types a file cannot hold, such as ``QuantConfig``, are left out)."""
-    annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    names = [part.strip() for part in annotation.split("|")]
+    names = _annotation_names(f)
     types = tuple(_TYPE_NAMES[n] for n in names if n in _TYPE_NAMES)
     if float in types and int not in types:
         types = types + (int,)
     return types
+
+
+def _annotation_names(f: dataclasses.Field) -> list[str]:
+    annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return [part.strip() for part in annotation.split("|")]
+
+
+def coerce(f: dataclasses.Field, value):
+    """An int given for a float field, as a float (YAML and JSON write 30.0 as 30)."""
+    names = _annotation_names(f)
+    if isinstance(value, int) and not isinstance(value, bool) and "float" in names and "int" not in names:
+        return float(value)
+    return value
 
 
 def _quantization(v) -> str | None:
@@ -123,8 +135,8 @@ def _non_empty(v: str) -> str | None:
 class EngineArgs:
     """Everything the engine is built from (tensor-parallel ranks rebuild the model from the same values)."""
 
-    model: str = arg(help="Checkpoint directory (config.json, safetensors, tokenizer.json); in a YAML file "
-                     "relative to the file.", check=_non_empty, plan=True, path=True, metavar="DIR")
+    model: str = arg(help="Checkpoint directory: config.json, safetensors weights and tokenizer.json (make-tiny "
+                     "writes one); in a YAML file, relative to the file.", check=_non_empty, plan=True, path=True, metavar="DIR")
     tokenizer: str | None = arg(None, "Directory of the tokenizer (tokenizer.json) when it is not the checkpoint's; "
                                 "default: model.", path=True, metavar="DIR")
     tensor_parallel_size: int = arg(1, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); must divide the "

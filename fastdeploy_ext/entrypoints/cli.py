@@ -113,9 +113,8 @@ def _cmd_demo(args) -> int:
 
 
 def _engine_kwargs(args) -> dict:
-    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-                backend=args.backend, device=args.device, quantization=args.quantization,
-                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+    """The engine arguments ``generate`` took as flags (all but the checkpoint, given on its own)."""
+    return {name: getattr(args, name) for name in args.engine_fields if name != "model"}
 
 
 def _generate_requests(args):
@@ -198,34 +197,83 @@ def _cmd_generate(args) -> int:
 # ---- serve and plan
 
 
+def _flag_kind(f) -> type:
+    """What a flag's text converts to: the field's type; a size or a mapping stays a string for the config to parse."""
+    from fastdeploy_ext.engine.args import value_types
+
+    types = value_types(f)
+    if int in types and float not in types and str not in types:
+        return int
+    return float if float in types and str not in types else str
+
+
+def _checked(f, kind: type):
+    """Converts a flag's text and checks the field's allowed values, so that a bad value is refused before anything
+    loads."""
+    from fastdeploy_ext.engine.args import spec_of
+
+    def parse(value: str):
+        try:
+            converted = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got "
+                                             f"{value!r}") from None
+        why = spec_of(f).problem(converted)
+        if why:
+            raise argparse.ArgumentTypeError(f"{why}, got {value}")
+        return converted
+
+    return parse
+
+
+def _add_arg_flags(p: argparse.ArgumentParser, fields, from_config: bool) -> tuple[str, ...]:
+    """One ``--kebab-case`` flag per field (engine/args.py), with the field's sentence, choices and default; a field
+    whose flag the command already has (``generate --seed`` seeds the sampling) is left out. ``from_config``: the
+    flags default to "not given", so that a config file's value stands unless a flag is given, and the config names
+    a bad value's field; otherwise they default to the field's default and check the value when parsed. Returns the
+    names of the fields given flags."""
+    from dataclasses import MISSING
+
+    from fastdeploy_ext.engine.args import spec_of, value_types
+
+    added = []
+    for f in fields:
+        spec, flag = spec_of(f), "--" + f.name.replace("_", "-")
+        if flag in p._option_string_actions:
+            continue
+        added.append(f.name)
+        help_ = spec.help
+        if from_config and f.default not in (None, MISSING) and "default" not in help_.lower():
+            help_ = f"{help_.rstrip('.')} (default: {f.default})."
+        help_ = help_.replace("%", "%%")
+        required = not from_config and f.default is MISSING
+        default = None if from_config or required else f.default
+        if bool in value_types(f):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        kind = _flag_kind(f)
+        metavar = None if spec.choices else spec.metavar or {int: "N", float: "X"}.get(kind, "VALUE")
+        p.add_argument(flag, dest=f.name, type=kind if from_config or kind is str else _checked(f, kind),
+                       default=default, required=required, choices=spec.choices or None, metavar=metavar, help=help_)
+    return tuple(added)
+
+
 def _add_deploy_flags(p: argparse.ArgumentParser, server: bool) -> None:
-    """``--config`` plus one ``--kebab-case`` flag per deployment-config field (``plan`` leaves out the fields
-    only the server reads); a given flag wins over the file."""
-    from dataclasses import MISSING, fields
+    """``--config`` plus one ``--kebab-case`` flag per deployment-config field (``plan`` offers only the fields the
+    memory plan depends on); a given flag wins over the file."""
+    from dataclasses import fields
 
-    from fastdeploy_ext.entrypoints.deploy_config import _SCHEMA, CHOICES, SERVER_FIELDS, DeployConfig
+    from fastdeploy_ext.engine.args import EngineArgs, FrontendArgs
+    from fastdeploy_ext.entrypoints.deploy_config import PLAN_FIELDS, SCHEMA, DeploymentArgs, ServerArgs
 
-    defaults = {f.name: f.default for f in fields(DeployConfig)}
-    metavars = {"model": "DIR", "model_info": "DIR", "allowed_local_media_path": "DIR", "device_memory": "SIZE",
-                "tiny_arch": "ARCH", "served_model_name": "NAME", "host": "ADDR", "api_key": "KEY"}
     p.add_argument("--config", metavar="FILE", help="YAML deployment config (configs/*.yaml); any flag below "
                    "overrides the field of the same name.")
-    for name, (types, _, help_) in _SCHEMA.items():
-        if name in SERVER_FIELDS and not server:
-            continue
-        flag = "--" + name.replace("_", "-")
-        default = defaults.get(name)
-        if default not in (None, MISSING) and "default" not in help_.lower():
-            help_ = f"{help_.rstrip('.')} (default: {default})."
-        help_ = help_.replace("%", "%%")
-        if bool in types:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-            continue
-        kind = int if int in types and float not in types and str not in types else (
-            float if float in types and str not in types else str)
-        metavar = None if name in CHOICES else metavars.get(name, {int: "N", float: "X"}.get(kind, "VALUE"))
-        p.add_argument(flag, dest=name, type=kind, default=None, choices=CHOICES.get(name), metavar=metavar,
-                       help=help_)
+    groups = (("engine (the keywords of LLM too)", EngineArgs), ("chat front end (LLM keywords too)", FrontendArgs),
+              ("deployment", DeploymentArgs), ("server", ServerArgs))
+    for title, cls in groups:
+        chosen = [SCHEMA[f.name] for f in fields(cls) if server or f.name in PLAN_FIELDS]
+        if chosen:
+            _add_arg_flags(p.add_argument_group(title), chosen, from_config=True)
 
 
 def _deploy_config(args):
@@ -385,9 +433,6 @@ def _version() -> str:
     return f"{PROG} {__version__} (paddlepaddle {paddle}, Python {sys.version.split()[0]})"
 
 
-_DTYPES = ["auto", "float32", "float64", "bfloat16", "float16"]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, formatter_class=_Help, allow_abbrev=False,
                 description="Serve MiniMax-M1 and MiDashengLM (and Qwen2) on a FastDeploy-style PaddlePaddle "
@@ -426,8 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "Generate text for one or more prompts from a checkpoint directory.",
                 "Generate text for one or more prompts from a checkpoint directory. Every setting and prompt is "
                 "checked\nbefore the weights are read.")
-    g.add_argument("--model", required=True, metavar="DIR", help="Checkpoint directory: config.json, safetensors "
-                   "weights and tokenizer.json (make-tiny writes one).")
+    from dataclasses import fields
+
+    from fastdeploy_ext.engine.args import EngineArgs
+
+    # The checkpoint first; the other engine flags follow the prompt and sampling flags.
+    given = _add_arg_flags(g, [f for f in fields(EngineArgs) if f.name == "model"], from_config=False)
     g.add_argument("--prompt", required=True, action="append", metavar="TEXT", help="Prompt text; repeat the flag "
                    "for several prompts, which run as one batch.")
     g.add_argument("--audio", action="append", metavar="FILE", help="Audio clip for MiDashengLM (WAV, FLAC, OGG, "
@@ -441,25 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "probabilities add up to this much; 1 keeps them all.")
     g.add_argument("--seed", metavar="N", type=int, default=None, help="Sampling seed: the same seed gives the same text "
                    "(default: a different draw each run).")
-    g.add_argument("--max-model-len", metavar="N", type=_int_at_least(2), default=None, help="Longest sequence, prompt plus "
-                   "generated tokens (default: the model's max_position_embeddings, at most 32768).")
-    g.add_argument("--max-num-seqs", metavar="N", type=_int_at_least(1), default=64, help="Most sequences in one batch.")
-    g.add_argument("--tensor-parallel-size", metavar="N", type=_int_at_least(1), default=1, help="Shard the model over this "
-                   "many processes (gloo on a CPU, NCCL on GPUs); it must divide the heads.")
-    g.add_argument("--dtype", default="auto", choices=_DTYPES, help="Compute dtype: auto is float32 on a CPU and the "
-                   "checkpoint's bf16/fp16 on a GPU; float64 checks on a CPU (device backend); bfloat16 and "
-                   "float16 need a GPU (default: auto).")
-    g.add_argument("--backend", default="auto", choices=["auto", "host", "device"], help="auto: host for CPU "
-                   "float32, device otherwise; host: the NumPy/MKL code, CPU float32 only; device: Paddle ops and "
-                   "Triton kernels, the path a GPU runs, which runs on a CPU too (default: auto).")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"], help="auto takes the GPU when this "
-                   "Paddle build has CUDA and sees one, else the CPU (default: auto).")
-    g.add_argument("--quantization", default=None, choices=["wint8", "wint4"], help="Weight-only quantization "
-                   "while loading: int8 or int4 codes, one scale per output channel (default: none; GPTQ and FP8 "
-                   "checkpoints are recognised from config.json).")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="Reuse the KV pages (and, for hybrid models, recurrent-state snapshots) of prompt prefixes "
-                   "that earlier prompts of the batch share; default: on where the model supports it.")
+    engine_fields = given + _add_arg_flags(g, [f for f in fields(EngineArgs) if f.name != "model"], from_config=False)
+    g.set_defaults(engine_fields=engine_fields)
     g.add_argument("--no-tqdm", action="store_true", help="Do not show the progress bar.")
     g.set_defaults(func=_cmd_generate)
 

@@ -1,6 +1,8 @@
 """YAML deployment configs: one schema, checked field by field, with CLI overrides.
 
-A config names the checkpoint and the engine/server settings (FastDeploy's ``EngineArgs`` names)::
+A config names the checkpoint and the engine/server settings (FastDeploy's ``EngineArgs`` names). Its schema is
+:class:`DeployConfig`'s fields: the engine's and the front end's (``engine/args.py``), the deployment's and the
+server's below, each with its type, default, sentence and allowed values::
 
     model: /models/MiniMax-M1-80k        # checkpoint directory (relative paths: to the YAML file)
     model_info: models/minimax-m1        # optional: config.json (+ index) used to plan when `model` is elsewhere
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import yaml
 
 from fastdeploy_ext.config.base import ConfigError
+from fastdeploy_ext.engine.args import ENGINE_FIELDS, EngineArgs, FrontendArgs, arg, coerce, spec_of, value_types
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,56 +64,81 @@ def _system_memory() -> int:
 
 
 @dataclass
-class DeployConfig:
-    """One deployment. Field docs are in the module docstring and docs/deployment.md."""
+class DeploymentArgs:
+    """Where a deployment runs and what its memory plan may use, besides the engine's arguments."""
 
-    model: str
-    model_info: str | None = None
-    tiny_arch: str | None = None
-    served_model_name: str | None = None
-    device: str = "cpu"
-    device_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    backend: str = "auto"
-    quantization: str | dict | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool | None = None
-    prefix_snapshot_interval: int = 128
-    num_prefix_snapshots: int | None = None
-    seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    api_key_file: str | None = None
-    allowed_local_media_path: str | None = None
-    max_pending_requests: int = 256
-    trust_request_chat_template: bool = False
-    template_timeout_s: float = 5.0
-    guided_compile_timeout_s: float = 10.0
-    guided_compile_memory_mb: int = 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int | None = None
-    max_audio_seconds: float = 300.0
-    max_request_audio_seconds: float | None = None
-    max_request_bytes: int | None = None
-    max_prompt_chars: int | None = None
-    max_stop_strings: int = 16
-    max_stop_chars: int = 1024
-    max_tokens_limit: int | None = None
-    rank_heartbeat_timeout_s: float = 30.0
-    stats_interval: float = 10.0
-    drain_timeout_s: float = 5.0
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = "auto"
-    chat_template: str | None = None
+    model_info: str | None = arg(None, "Directory whose config.json (and safetensors index) the planner reads when "
+                                 "the weights are elsewhere.", plan=True, path=True, metavar="DIR")
+    tiny_arch: str | None = arg(None, "Write a tiny random checkpoint of this architecture into `model` when it does "
+                                "not exist yet (the demo configs).", plan=True, metavar="ARCH")
+    served_model_name: str | None = arg(None, "Name clients pass as `model`; default: the basename of `model`.",
+                                        plan=True, metavar="NAME")
+    device_memory: int | str | float | None = arg(None, "Memory per card for the plan, e.g. 80GiB or 141GB; default "
+                                                  "on a CPU: this machine's RAM.", plan=True, metavar="SIZE")
+    gpu_memory_utilization: float = arg(0.9, "Fraction of device_memory the plan may use.", gt=0, le=1, plan=True)
+
+
+@dataclass
+class ServerArgs:
+    """What only a running server reads: its socket, its clients' credentials and the limits on their requests."""
+
+    host: str = arg("127.0.0.1", "Address to listen on (loopback unless told otherwise).",
+                    check=lambda v: None if v else "must be non-empty", metavar="ADDR")
+    port: int = arg(8000, "TCP port to listen on (0: any free port); checked before the model loads.", ge=0, le=65535)
+    api_key: str | None = arg(None, "Require `Authorization: Bearer KEY` on /v1/*; the key is readable in /proc, so "
+                              "prefer --api-key-file or $FASTDEPLOY_EXT_API_KEY.", metavar="KEY")
+    api_key_file: str | None = arg(None, "File holding the bearer token that /v1/* requires.", path=True,
+                                   metavar="FILE")
+    allowed_local_media_path: str | None = arg(None, "The only directory file:// audio URLs may point into.",
+                                               path=True, metavar="DIR")
+    max_pending_requests: int = arg(256, "Unfinished sequences (prompts x n) accepted before new requests get 429.",
+                                    ge=1)
+    trust_request_chat_template: bool = arg(False, "Render chat templates that clients send (in a worker that is "
+                                            "killed after template_timeout_s); off: such requests get 400.")
+    template_timeout_s: float = arg(5.0, "Seconds a client's chat template may take to render.", gt=0)
+    guided_compile_timeout_s: float = arg(10.0, "Seconds a structured-output grammar may take to compile and fill its "
+                                          "first mask (in a compile worker process, killed past it).", gt=0)
+    guided_compile_memory_mb: int = arg(1024, "Memory in MiB a grammar's compile worker may add for one grammar.",
+                                        ge=1)
+    header_timeout_s: float = arg(10.0, "Seconds a connection may take to send a request's headers (and may stay "
+                                  "idle between requests); then it is closed.", gt=0)
+    body_timeout_s: float = arg(30.0, "Seconds a request body may pause between two reads; then the request gets "
+                                "408.", gt=0)
+    max_connections: int | None = arg(None, "Open connections accepted at once; more are closed at once. Default: "
+                                      "the open-file limit minus 256 (at most 10000).", ge=1)
+    max_audio_seconds: float = arg(300.0, "Longest audio clip a content part may hold, in seconds.", gt=0)
+    max_request_audio_seconds: float | None = arg(None, "Audio seconds all parts of one request may hold together "
+                                                  "(checked from the headers before decoding); default: "
+                                                  "max_audio_seconds.", gt=0)
+    max_request_bytes: int | None = arg(None, "Largest request body in bytes; default: the base64 of "
+                                        "max_audio_seconds of 48 kHz stereo PCM16.", ge=1024)
+    max_prompt_chars: int | None = arg(None, "Longest prompt in characters, checked before tokenizing; default: "
+                                       "32 x max_model_len.", ge=1)
+    max_stop_strings: int = arg(16, "Most stop strings one request may give.", ge=1)
+    max_stop_chars: int = arg(1024, "Most characters all stop strings of one request may have together.", ge=1)
+    max_tokens_limit: int | None = arg(None, "Largest max_tokens a request may ask for (also the default of requests "
+                                       "that give none); unset: max_model_len decides.", ge=1)
+    stats_interval: float = arg(10.0, "Seconds between the server's stats log lines (running/waiting, KV and state "
+                                "use, tokens/s); 0 turns them off.", ge=0)
+    drain_timeout_s: float = arg(5.0, "Seconds requests in flight may run on after SIGINT/SIGTERM before they are "
+                                 "ended with finish_reason 'abort'; the server then exits 0.", ge=0)
+
+
+def _deployment_view(name: str):
+    """An engine field as a deployment declares it: with the deployment's own default, choices and sentence."""
+    f = next(f for f in dataclasses.fields(EngineArgs) if f.name == name)
+    spec = spec_of(f)
+    view = dataclasses.replace(spec, help=spec.deploy_help or spec.help, choices=spec.deploy_choices or spec.choices,
+                               deploy_default=None, deploy_choices=None, deploy_help=None)
+    return dataclasses.field(default=spec.deploy_default, metadata={"arg": view})
+
+
+@dataclass
+class DeployConfig(ServerArgs, DeploymentArgs, FrontendArgs, EngineArgs):
+    """One deployment: the engine's and the front end's arguments (engine/args.py), the deployment's and the
+    server's. Every field is a YAML key and a ``--kebab-case`` flag (docs/deployment.md)."""
+
+    device: str = _deployment_view("device")
     source: str = "<flags>"
 
     @property
@@ -127,168 +155,29 @@ class DeployConfig:
         return self.device_memory if self.device_memory is not None else _system_memory()
 
 
-# field -> (types, check, description); a check returns an error string or None.
-_DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
-_BACKENDS = ("auto", "host", "device")
-_QUANT = (None, "wint8", "wint4")
-
-
-def _positive(v):
-    return None if v >= 1 else "must be >= 1"
-
-
-def _quantization(v):
-    """A method name, or a mapping with the method and its int4 ``group_size`` (the form ``LLM`` takes)."""
-    if isinstance(v, dict):
-        if set(v) - {"method", "group_size"} or v.get("method") not in _QUANT[1:]:
-            return "mapping must be {method: wint8|wint4, group_size: int}"
-        return None if isinstance(v.get("group_size", 0), int) else "group_size must be an int"
-    return None if v in _QUANT else "must be null, 'wint8' or 'wint4' (or {method: wint4, group_size: N})"
-
-
-def _positive_float(v):
-    return None if v > 0 and v != float("inf") else "must be > 0"
-
-
-_SCHEMA = {
-    "model": ((str,), lambda v: None if v else "must be a non-empty path", "Checkpoint directory (config.json, "
-              "safetensors, tokenizer.json); in a YAML file relative to the file."),
-    "model_info": ((str, type(None)), None, "Directory whose config.json (and safetensors index) the planner reads "
-                   "when the weights are elsewhere."),
-    "tiny_arch": ((str, type(None)), None, "Write a tiny random checkpoint of this architecture into `model` when "
-                  "it does not exist yet (the demo configs)."),
-    "served_model_name": ((str, type(None)), None, "Name clients pass as `model`; default: the basename of `model`."),
-    "device": ((str,), lambda v: None if v in ("cpu", "gpu") else "must be 'cpu' or 'gpu'",
-               "Where the model runs; gpu needs a CUDA build of Paddle and device_memory."),
-    "device_memory": ((str, int, float, type(None)), None, "Memory per card for the plan, e.g. 80GiB or 141GB; "
-                      "default on a CPU: this machine's RAM."),
-    "gpu_memory_utilization": ((float, int), lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
-                               "Fraction of device_memory the plan may use."),
-    "tensor_parallel_size": ((int,), _positive, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); "
-                             "must divide the heads."),
-    "dtype": ((str,), lambda v: None if v in _DTYPES else f"must be one of {', '.join(_DTYPES)}",
-              "Compute dtype: auto is float32 on a CPU and the checkpoint's bf16/fp16 on a GPU; float64 checks on "
-              "a CPU (device backend)."),
-    "backend": ((str,), lambda v: None if v in _BACKENDS else f"must be one of {', '.join(_BACKENDS)}",
-                "auto: host for CPU float32, device otherwise; host: NumPy/MKL, CPU float32; device: Paddle ops "
-                "and Triton kernels (docs/architecture.md \"Backends\")."),
-    "quantization": ((str, dict, type(None)), _quantization, "Weight-only quantization while loading: wint8 or wint4 "
-                     "(both one scale per output channel; in a YAML file also {method: wint4, group_size: N}); "
-                     "default: none."),
-    "max_model_len": ((int, type(None)), lambda v: None if v is None or v >= 2 else "must be >= 2",
-                      "Longest sequence, prompt plus generated tokens; default: max_position_embeddings, at most "
-                      "32768."),
-    "max_num_seqs": ((int,), _positive, "Most sequences in the running batch."),
-    "max_num_batched_tokens": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                               "Token budget of one engine step; default: 2048 with chunked prefill, else "
-                               "max_model_len."),
-    "enable_chunked_prefill": ((bool,), None, "Split long prompts over several steps so decodes keep running."),
-    "block_size": ((int,), _positive, "Tokens per KV-cache page."),
-    "num_kv_blocks": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                      "KV-cache pages in the pool; default: max_num_seqs sequences of max_model_len, within "
-                      "1 GiB but at least one sequence."),
-    "enable_prefix_caching": ((bool, type(None)), None,
-                              "Reuse the KV pages (and, for hybrid models, recurrent-state snapshots) of prompt "
-                              "prefixes seen before; default: on where the model supports it."),
-    "prefix_snapshot_interval": ((int,), _positive, "KV blocks between the recurrent-state snapshots a hybrid "
-                                 "model takes while prefilling (for prefix caching)."),
-    "num_prefix_snapshots": ((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0",
-                             "Recurrent-state snapshot slots for prefix caching (hybrid models); default: "
-                             "2 x max_num_seqs."),
-    "seed": ((int,), None, "Seed of requests that give none."),
-    "host": ((str,), lambda v: None if v else "must be non-empty", "Address to listen on (loopback unless told "
-             "otherwise)."),
-    "port": ((int,), lambda v: None if 0 <= v < 65536 else "must be in [0, 65535]", "TCP port to listen on "
-             "(0: any free port); checked before the model loads."),
-    "api_key": ((str, type(None)), None, "Require `Authorization: Bearer KEY` on /v1/*; the key is readable in "
-                "/proc, so prefer --api-key-file or $FASTDEPLOY_EXT_API_KEY."),
-    "api_key_file": ((str, type(None)), None, "File holding the bearer token that /v1/* requires."),
-    "allowed_local_media_path": ((str, type(None)), None, "The only directory file:// audio URLs may point into."),
-    "max_pending_requests": ((int,), _positive, "Unfinished sequences (prompts x n) accepted before new requests "
-                             "get 429."),
-    "trust_request_chat_template": ((bool,), None, "Render chat templates that clients send (in a worker that is "
-                                    "killed after template_timeout_s); off: such requests get 400."),
-    "template_timeout_s": ((float, int), _positive_float, "Seconds a client's chat template may take to render."),
-    "guided_compile_timeout_s": ((float, int), _positive_float, "Seconds a structured-output grammar may take to "
-                                 "compile and fill its first mask (in a compile worker process, killed past it)."),
-    "guided_compile_memory_mb": ((int,), _positive, "Memory in MiB a grammar's compile worker may add for one "
-                                 "grammar."),
-    "header_timeout_s": ((float, int), _positive_float, "Seconds a connection may take to send a request's headers "
-                         "(and may stay idle between requests); then it is closed."),
-    "body_timeout_s": ((float, int), _positive_float, "Seconds a request body may pause between two reads; then "
-                       "the request gets 408."),
-    "max_connections": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                        "Open connections accepted at once; more are closed at once. Default: the open-file limit "
-                        "minus 256 (at most 10000)."),
-    "max_audio_seconds": ((float, int), _positive_float, "Longest audio clip a content part may hold, in seconds."),
-    "max_request_audio_seconds": ((float, int, type(None)), lambda v: None if v is None or v > 0 else "must be > 0",
-                                  "Audio seconds all parts of one request may hold together (checked from the "
-                                  "headers before decoding); default: max_audio_seconds."),
-    "max_request_bytes": ((int, type(None)), lambda v: None if v is None or v >= 1024 else "must be >= 1024",
-                          "Largest request body in bytes; default: the base64 of max_audio_seconds of 48 kHz stereo "
-                          "PCM16."),
-    "max_prompt_chars": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                         "Longest prompt in characters, checked before tokenizing; default: 32 x max_model_len."),
-    "max_stop_strings": ((int,), _positive, "Most stop strings one request may give."),
-    "max_stop_chars": ((int,), _positive, "Most characters all stop strings of one request may have together."),
-    "max_tokens_limit": ((int, type(None)), lambda v: None if v is None or v >= 1 else "must be >= 1",
-                         "Largest max_tokens a request may ask for (also the default of requests that give none); "
-                         "unset: max_model_len decides."),
-    "rank_heartbeat_timeout_s": ((float, int), lambda v: None if v >= 2 else "must be >= 2",
-                                 "Seconds a tensor-parallel rank may go silent before the engine fails."),
-    "stats_interval": ((float, int), lambda v: None if v >= 0 else "must be >= 0", "Seconds between the server's "
-                       "stats log lines (running/waiting, KV and state use, tokens/s); 0 turns them off."),
-    "drain_timeout_s": ((float, int), lambda v: None if v >= 0 else "must be >= 0",
-                        "Seconds requests in flight may run on after SIGINT/SIGTERM before they are ended with "
-                        "finish_reason 'abort'; the server then exits 0."),
-    "tool_call_parser": ((str, type(None)), lambda v: _known(v, "tool"),
-                         "Tool-call syntax the server reads from the model's output (minimax_m1, qwen2); default: "
-                         "the architecture's."),
-    "reasoning_parser": ((str, type(None)), lambda v: _known(v, "reasoning"),
-                         "Split <think> sections into reasoning_content (minimax_m1, think, qwen3); default: auto, "
-                         "the architecture's (minimax_m1 for MiniMax-M1, else none); none turns it off."),
-    "chat_template": ((str, type(None)), None, "Jinja chat template file replacing the checkpoint's (e.g. a "
-                      "tool-aware one); relative to the YAML file."),
-}
-# Fields only a running server reads (the memory plan does not depend on them): `plan` does not offer them as flags.
-SERVER_FIELDS = ("host", "port", "api_key", "api_key_file", "allowed_local_media_path", "max_pending_requests",
-                 "trust_request_chat_template", "template_timeout_s", "guided_compile_timeout_s",
-                 "guided_compile_memory_mb", "header_timeout_s", "body_timeout_s", "max_connections",
-                 "max_request_audio_seconds", "max_audio_seconds", "max_request_bytes",
-                 "max_prompt_chars", "max_stop_strings", "max_stop_chars", "max_tokens_limit",
-                 "rank_heartbeat_timeout_s", "stats_interval", "drain_timeout_s", "tool_call_parser",
-                 "reasoning_parser", "chat_template", "seed")
-CHOICES = {"device": ("cpu", "gpu"), "dtype": _DTYPES, "backend": _BACKENDS, "quantization": ("wint8", "wint4")}
-
-
-def _known(name: str, kind: str):
-    if kind == "tool":
-        from fastdeploy_ext.engine.tool_parsers import tool_parser_names as names
-    else:
-        from fastdeploy_ext.engine.reasoning_parsers import reasoning_parser_names as names
-    return None if name in names() else f"must be one of {', '.join(names())}"
-FIELDS = tuple(_SCHEMA)
+# Every field but `source`, by name, in the order of the dataclass: the engine's first.
+SCHEMA = {f.name: f for f in dataclasses.fields(DeployConfig) if f.name != "source"}
+FIELDS = tuple(SCHEMA)
+# The fields the memory plan depends on (`plan` offers these as flags, and only these).
+PLAN_FIELDS = tuple(name for name, f in SCHEMA.items() if spec_of(f).plan)
+PATH_FIELDS = tuple(name for name, f in SCHEMA.items() if spec_of(f).path)
 
 
 def _check_field(name: str, value, where: str):
-    types, check, _ = _SCHEMA[name]
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
-    if not ok:
+    f = SCHEMA[name]
+    types = value_types(f)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         names = "/".join("null" if t is type(None) else t.__name__ for t in types)
         raise ConfigError(f"{where}: field '{name}' must be {names}, got {value!r}")
-    if check is not None and value is not None:
-        why = check(value)
-        if why:
-            raise ConfigError(f"{where}: field '{name}' {why}, got {value!r}")
-    return value
+    why = spec_of(f).problem(value)
+    if why:
+        raise ConfigError(f"{where}: field '{name}' {why}, got {value!r}")
+    return coerce(f, value)
 
 
 def build_config(values: dict, where: str, base_dir: str | None = None) -> DeployConfig:
     """Validate a dict of fields (from YAML and/or flags) into a :class:`DeployConfig`."""
-    unknown = [k for k in values if k not in _SCHEMA]
+    unknown = [k for k in values if k not in SCHEMA]
     if unknown:
         k = unknown[0]
         close = difflib.get_close_matches(str(k), FIELDS, n=1)
@@ -297,7 +186,7 @@ def build_config(values: dict, where: str, base_dir: str | None = None) -> Deplo
     if "model" not in values or values["model"] is None:
         raise ConfigError(f"{where}: field 'model' is required")
     out = {name: _check_field(name, v, where) for name, v in values.items()}
-    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file", "chat_template"):
+    for key in PATH_FIELDS:
         if out.get(key) and base_dir is not None:
             out[key] = os.path.normpath(os.path.join(base_dir, os.path.expanduser(out[key])))
     if out.get("device_memory") is not None:
@@ -331,26 +220,15 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(values).__name__}")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
-    for key in ("model", "model_info", "allowed_local_media_path", "api_key_file", "chat_template"):
+    for key in PATH_FIELDS:
         if key in flags:
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
 
 
-def to_dict(cfg: DeployConfig) -> dict:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "source"}
-
-
 def engine_args(cfg: DeployConfig) -> dict:
-    """Keyword arguments for :class:`LLMEngine`."""
-    return dict(tensor_parallel_size=cfg.tensor_parallel_size, max_model_len=cfg.max_model_len,
-                max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                enable_chunked_prefill=cfg.enable_chunked_prefill, block_size=cfg.block_size,
-                num_kv_blocks=cfg.num_kv_blocks, dtype=cfg.dtype, quantization=cfg.quantization, seed=cfg.seed,
-                device=cfg.device, backend=cfg.backend, reasoning_parser=cfg.reasoning_parser,
-                rank_heartbeat_timeout_s=float(cfg.rank_heartbeat_timeout_s),
-                enable_prefix_caching=cfg.enable_prefix_caching, prefix_snapshot_interval=cfg.prefix_snapshot_interval,
-                num_prefix_snapshots=cfg.num_prefix_snapshots)
+    """Keyword arguments for :class:`LLMEngine`: every engine field of the config."""
+    return {name: getattr(cfg, name) for name in ENGINE_FIELDS if name != "model"}
 
 
 API_KEY_ENV = "FASTDEPLOY_EXT_API_KEY"

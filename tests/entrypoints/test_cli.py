@@ -176,11 +176,11 @@ def test_choices_are_listed_in_help():
 
 
 def test_plan_help_lists_no_server_flags():
-    from fastdeploy_ext.entrypoints.deploy_config import SERVER_FIELDS
+    from fastdeploy_ext.entrypoints.deploy_config import FIELDS, PLAN_FIELDS
 
     sub = _subparsers()
     plan, serve = sub["plan"].format_help(), sub["serve"].format_help()
-    flags = ["--" + name.replace("_", "-") for name in SERVER_FIELDS] + ["--log-level"]
+    flags = ["--" + name.replace("_", "-") for name in FIELDS if name not in PLAN_FIELDS] + ["--log-level"]
     assert {"--host", "--port", "--api-key", "--reasoning-parser", "--seed", "--stats-interval"} <= set(flags)
     for flag in flags:
         assert re.search(re.escape(flag) + r"\b", serve), flag

@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from fastdeploy_ext.config.base import QuantConfig
 
+# Without max_model_len, sequences may be as long as the model's positions, up to this.
+DEFAULT_MAX_MODEL_LEN = 32768
+# Without max_num_batched_tokens, a chunked-prefill step takes this many tokens.
+DEFAULT_CHUNK_TOKENS = 2048
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 BACKENDS = ("auto", "host", "device")
 QUANTIZATION_METHODS = ("wint8", "wint4")
@@ -142,10 +146,10 @@ class EngineArgs:
     tensor_parallel_size: int = arg(1, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); must divide the "
                                     "heads.", ge=1, plan=True)
     max_model_len: int | None = arg(None, "Longest sequence, prompt plus generated tokens; default: "
-                                    "max_position_embeddings, at most 32768.", ge=2, plan=True)
+                                    f"max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN}.", ge=2, plan=True)
     max_num_seqs: int = arg(64, "Most sequences in the running batch.", ge=1, plan=True)
-    max_num_batched_tokens: int | None = arg(None, "Token budget of one engine step; default: 2048 with chunked "
-                                             "prefill, else max_model_len.", ge=1, plan=True)
+    max_num_batched_tokens: int | None = arg(None, f"Token budget of one engine step; default: {DEFAULT_CHUNK_TOKENS} "
+                                             "with chunked prefill, else max_model_len.", ge=1, plan=True)
     enable_chunked_prefill: bool = arg(True, "Split long prompts over several steps so decodes keep running.",
                                        plan=True)
     block_size: int = arg(16, "Tokens per KV-cache page.", ge=1, plan=True)
@@ -179,6 +183,20 @@ class EngineArgs:
                                        "qwen3); default: auto, the architecture's (minimax_m1 for MiniMax-M1, else "
                                        "none); none turns it off. Guided decoding starts after the think section.",
                                        check=_known_reasoning_parser, metavar="NAME")
+
+    # The defaults that depend on the model or on other fields (the engine and the memory planner both use these).
+    def max_model_len_or_default(self, max_position_embeddings: int) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+    def max_num_batched_tokens_or_default(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_CHUNK_TOKENS if self.enable_chunked_prefill else max_model_len
+
+    def num_prefix_snapshots_or_default(self) -> int:
+        return self.num_prefix_snapshots if self.num_prefix_snapshots is not None else 2 * self.max_num_seqs
 
 
 @dataclass

@@ -19,6 +19,10 @@ beside it (:func:`attention_memory`): on a GPU in bf16/fp16 the paged kernels' o
 partials; on the Paddle-op path (float32 on a GPU, ``FDEXT_ATTENTION_KERNELS=paddle``, a CPU's device backend) the
 additive mask, gathered context and scores of a ``max_num_batched_tokens`` chunk at the end of a ``max_model_len``
 sequence, or of ``max_num_seqs`` decodes gathered to that length, whichever is larger.
+
+The plan reads the deployment's own fields and the engine arguments marked ``plan`` (``engine/args.py``), with the
+engine's defaults for those left unset (``EngineArgs.*_or_default``); ``deploy_config.PLAN_FIELDS`` lists them, and
+they are the flags ``plan`` offers.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from dataclasses import dataclass
 
 from fastdeploy_ext.config.base import ConfigError, divide, read_json
 from fastdeploy_ext.entrypoints.deploy_config import DeployConfig
-from fastdeploy_ext.model_loader.shapes import _SHAPES, ModelShape, Tensor
+from fastdeploy_ext.model_loader.shapes import ModelShape, Tensor
+from fastdeploy_ext.models.registry import checkpoint_shape, known_architectures
 from fastdeploy_ext.ops.paged_attention.configs import decode_workspace_bytes
 from fastdeploy_ext.ops.paged_attention.selection import KERNELS_ENV, select_attention_impl
 from fastdeploy_ext.quantization import check_weight_only_gpu, resolve_quant_config
@@ -58,11 +63,11 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple] | None:
 def model_shape(model_dir: str) -> ModelShape:
     """The model's tensors with verified shapes (see the module docstring for the sources)."""
     raw = read_json(os.path.join(model_dir, "config.json"), "config.json")
-    archs = raw.get("architectures") or ["?"]
-    if archs[0] not in _SHAPES:
+    shape = checkpoint_shape(raw)
+    if shape is None:
+        archs = raw.get("architectures") or ["?"]
         raise ConfigError(f"{model_dir}/config.json: the planner does not know architecture {archs[0]!r}; "
-                          f"known: {', '.join(sorted(_SHAPES))}")
-    shape = _SHAPES[archs[0]](raw)
+                          f"known: {', '.join(known_architectures())}")
     expected = {t.name: t.shape for t in shape.tensors}
     on_disk = _checkpoint_shapes(model_dir)
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
@@ -136,6 +141,7 @@ class Plan:
     snapshot_pool: int = 0
     attention: int = 0
     attention_note: str = ""
+    batched_tokens: int = 0
 
     def table(self) -> str:
         c, s = self.cfg, self.shape
@@ -162,7 +168,7 @@ class Plan:
                 lines.append("prefix snaps   none (prefix caching off)")
         lines += [
             f"activation     ~{_fmt(self.activation)} peak (estimate, one step of "
-            f"{_batched_tokens(c)} tokens)",
+            f"{self.batched_tokens} tokens)",
             f"attention      {_fmt(self.attention)} ({self.attention_note})",
             f"KV pool/rank   {_fmt(self.kv_pool)} = {self.kv_pool // max(self.kv_bytes_per_token, 1):,} tokens",
             f"at length {self.length:,}: {_fmt(self.length * self.kv_bytes_per_token + self.state_bytes_per_seq)}"
@@ -230,12 +236,6 @@ def _check_quantization(cfg: DeployConfig, shape: ModelShape, quant, dtype: str,
                 check_weight_only_gpu(module, quant.method, dtype, -1 if quant.method == "wint8" else quant.group_size)
             except ConfigError as e:
                 raise ConfigError(f"{cfg.source}: field 'quantization': {e}") from None
-
-
-def _batched_tokens(cfg: DeployConfig, max_model_len: int | None = None) -> int:
-    if cfg.max_num_batched_tokens is not None:
-        return cfg.max_num_batched_tokens
-    return 2048 if cfg.enable_chunked_prefill else (max_model_len or cfg.max_model_len or 2048)
 
 
 # Streaming multiprocessors the decode split is planned for (an H100/H200 SXM); the workspace grows with them.
@@ -318,15 +318,15 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
     state_pool = state_per_seq * cfg.max_num_seqs
     num_snapshots = 0
     if cfg.enable_prefix_caching is not False and shape.num_linear_layers:
-        num_snapshots = cfg.num_prefix_snapshots if cfg.num_prefix_snapshots is not None else 2 * cfg.max_num_seqs
+        num_snapshots = cfg.num_prefix_snapshots_or_default()
     snapshot_pool = num_snapshots * state_per_seq
 
-    max_model_len = cfg.max_model_len or min(shape.max_position_embeddings, 32768)
+    max_model_len = cfg.max_model_len_or_default(shape.max_position_embeddings)
     if max_model_len > shape.max_position_embeddings:
         raise ConfigError(f"{cfg.source}: field 'max_model_len' {max_model_len} exceeds the model's "
                           f"max_position_embeddings {shape.max_position_embeddings}")
     length = length or max_model_len
-    tokens = _batched_tokens(cfg, max_model_len)
+    tokens = cfg.max_num_batched_tokens_or_default(max_model_len)
     widest = max([w(tp) for w in shape.widest_local] or [0])
     fp32 = sum(w(tp) for w in shape.fp32_local)
     logits_rows = min(cfg.max_num_seqs, tokens)
@@ -368,4 +368,4 @@ def plan(cfg: DeployConfig, length: int | None = None) -> Plan:
                                f"{_fmt(state_pool)}{snaps}, activation {_fmt(activation)}, attention "
                                f"{_fmt(attention)} ({attention_note}), budget {_fmt(budget)}")
     return Plan(cfg, shape, weights, breakdown, kv_per_token, kv_tp1, state_per_seq, state_pool, activation, kv_pool,
-                budget, length, max_seqs, fits, reason, num_snapshots, snapshot_pool, attention, attention_note)
+                budget, length, max_seqs, fits, reason, num_snapshots, snapshot_pool, attention, attention_note, tokens)

@@ -25,6 +25,7 @@ import ast
 import importlib.util
 import os
 import re
+import textwrap
 
 import pytest
 
@@ -384,6 +385,51 @@ def test_checker_sees_what_it_should(tmp_path):
         "fastdeploy_ext/ops/k.py:1 imports fastdeploy_ext.layers.attn (ops sits below layers)"]
     assert import_cycles(root) == [["fastdeploy_ext.config.base", "fastdeploy_ext.quantization.methods"]]
 
+
+def _flag_dests(command: str) -> set[str]:
+    import argparse
+
+    from fastdeploy_ext.entrypoints.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.dest for a in sub._actions if a.option_strings}
+
+
+def _attributes_read(source: str) -> set[str]:
+    return {n.attr for n in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(n, ast.Attribute)}
+
+
+def test_engine_arguments_are_one_set():
+    """The engine's arguments (the fields of ``EngineArgs``) are, every one of them by the same name, keywords of
+    ``LLM``, fields of a deployment config, and flags of ``serve`` and ``generate``; whatever else ``LLM`` takes is a
+    config field too; and ``plan`` offers exactly the engine fields that the planner's code reads (directly, or
+    through a property or method of the config)."""
+    import dataclasses
+    import inspect
+
+    from fastdeploy_ext import LLM
+    from fastdeploy_ext.engine.engine import EngineArgs
+    from fastdeploy_ext.entrypoints import deploy_config
+
+    engine = {f.name for f in dataclasses.fields(EngineArgs)}
+    keywords = set(inspect.signature(LLM).parameters)
+    views = {"LLM keywords": keywords, "config fields": set(deploy_config.FIELDS), "serve flags": _flag_dests("serve"),
+             "generate flags": _flag_dests("generate")}
+    missing = {view: sorted(engine - names) for view, names in views.items() if engine - names}
+    assert not missing, f"engine arguments missing from: {missing}"
+    assert keywords <= set(deploy_config.FIELDS), f"LLM keywords with no config field: {sorted(keywords - engine)}"
+
+    with open(os.path.join(package_dir(), "entrypoints", "planner.py"), encoding="utf-8") as f:
+        read = _attributes_read(f.read())
+    for name in list(read):
+        member = inspect.getattr_static(deploy_config.DeployConfig, name, None)
+        member = member.fget if isinstance(member, property) else member
+        if inspect.isfunction(member):
+            read |= _attributes_read(inspect.getsource(member))
+    read &= engine
+    offered = _flag_dests("plan") & engine
+    assert read == offered, (f"the planner reads but plan does not offer: {sorted(read - offered)}; plan offers but "
+                             f"the planner ignores: {sorted(offered - read)}")
 
 if __name__ == "__main__":  # pragma: no cover - a quick report
     r = package_dir()

@@ -3,13 +3,22 @@
 Paddle's CPU matmul goes to the MKL inside its wheel, which on AMD CPUs runs far below the machine's rate: a
 [512, 896] @ [896, 9728] product took 2.4x the CPU time of NumPy's OpenBLAS (its SkylakeX AVX-512 kernels on an
 EPYC Zen 4; benchmarks/bench_vs_llamacpp.py and docs/benchmarks.md). OpenBLAS is held at one thread by the
-engine (its spinning workers took the cores from Paddle's OpenMP threads), so the split is ours: row bands of
-a prefill, column bands of a decode step's weight (each band of a batch-1 product streams its own part of the
-weight), one per host thread; NumPy drops the GIL inside BLAS.
+engine (its spinning workers took the cores from Paddle's OpenMP threads), so the split is ours; NumPy drops the
+GIL inside BLAS.
+
+A prefill splits by row bands of ``x`` (each thread reads the whole weight, from cache). A decode step's product
+is bound by reading the weight once, so it splits the weight into contiguous pieces of a few MB: row bands of a
+row-major ``[K, N]`` weight (each gives a partial ``[M, N]`` sum; the partials add up in a fixed order, so the
+result does not depend on which thread took which piece), rows of the ``[N, K]`` matrix behind a transposed view
+(each gives its own output columns). Column bands of a row-major weight read short strided segments: single-
+threaded, a [4864, 896] weight in 8 column bands streamed at ~60% of the rate of 8 row bands. The pieces are
+claimed one at a time by the calling thread and the team's threads as they come free: on a loaded machine a
+thread that is not scheduled leaves its share to the others instead of holding up the step.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import numpy as np
@@ -20,6 +29,12 @@ from fastdeploy_ext.ops.host.host_threads import host_threads, run_parallel
 _SPLIT_MIN_WORK = 1 << 21
 # Rows per band from which a product splits by rows (each thread reads the whole weight, from cache).
 _ROW_SPLIT_MIN = 16
+# Weight bytes per piece of a product split by the weight: a piece streams for a few hundred us against a few us
+# of claiming it, and a [896, 9728] fp32 weight (35 MB) gives the threads 8 pieces to balance.
+_PIECE_BYTES = 4 << 20
+# Rows of ``x`` up to which a row-major weight is cut into row bands: the partial sums, one [M, N] per piece,
+# stay a small fraction of the weight's bytes; above it, column bands.
+_PARTIAL_ROWS_MAX = 4
 
 
 def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -44,12 +59,18 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
             np.matmul(x[rows], w, out=out[rows])
             if bias is not None:
                 out[rows] += bias
-    else:
-        # Column bands of 64-float multiples: each band writes whole cache lines of its output rows.
-        bounds = [min(n, (n * i // parts + 63) // 64 * 64) if 0 < i < parts else n * i // parts
-                  for i in range(parts + 1)]
 
-        def band(i):
+        run_parallel(band, range(parts))
+        return out
+    pieces = max(parts, k * n * 4 // _PIECE_BYTES)
+    team = _team_of(parts)
+    if w.strides[1] > w.strides[0] or m > _PARTIAL_ROWS_MAX:
+        # Output column bands of 64-float multiples (whole cache lines of each output row); for a transposed
+        # view each band is a contiguous block of rows of the matrix behind it.
+        pieces = min(pieces, max(1, n // 64))
+        bounds = [n * i // pieces // 64 * 64 for i in range(pieces)] + [n]
+
+        def piece(i):
             cols = slice(bounds[i], bounds[i + 1])
             o = out[:, cols]
             if m == 1:
@@ -59,5 +80,87 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
             if bias is not None:
                 o += bias[cols]
 
-    run_parallel(band, range(parts))
+        team.run(piece, pieces)
+        return out
+    pieces = min(pieces, k)
+    bounds = [k * i // pieces for i in range(pieces + 1)]
+    partial = np.empty((pieces, m, n), np.float32)
+
+    def piece(i):
+        rows = slice(bounds[i], bounds[i + 1])
+        np.matmul(x[:, rows], w[rows], out=partial[i])
+
+    team.run(piece, pieces)
+    np.add.reduce(partial, axis=0, out=out)
+    if bias is not None:
+        out += bias
     return out
+
+
+class _Job:
+    """``fn(i)`` for ``i`` in ``[0, count)``, each index claimed once by whichever thread asks next."""
+
+    def __init__(self, fn, count: int):
+        self.fn, self.count = fn, count
+        self.claimed = self.done = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+
+    def work(self) -> None:
+        while True:
+            with self.lock:
+                i = self.claimed
+                if i >= self.count:
+                    return
+                self.claimed = i + 1
+            try:
+                self.fn(i)
+            except BaseException as e:  # re-raised on the calling thread once every piece has ended
+                with self.lock:
+                    self.error = self.error or e
+            with self.lock:
+                self.done += 1
+                if self.done == self.count:
+                    self.finished.set()
+
+
+class _Team:
+    """``size - 1`` threads that join the calling thread on a job's pieces. A thread blocks on its queue between
+    jobs (no spinning: the cores stay free for Paddle's OpenMP threads and the host pool)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.queues = [queue.SimpleQueue() for _ in range(size - 1)]
+        for j, q in enumerate(self.queues):
+            threading.Thread(target=self._serve, args=(q,), name=f"fdext-host-gemm-{j}", daemon=True).start()
+
+    @staticmethod
+    def _serve(q) -> None:
+        while (job := q.get()) is not None:
+            job.work()
+
+    def run(self, fn, count: int) -> None:
+        job = _Job(fn, count)
+        for q in self.queues[:count - 1]:
+            q.put(job)
+        job.work()
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+
+
+_team: _Team | None = None
+
+
+def _team_of(size: int) -> _Team:
+    global _team
+    if _team is None or _team.size != size:
+        if _team is not None:
+            _team.close()
+        _team = _Team(size)
+    return _team

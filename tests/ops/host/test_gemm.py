@@ -18,7 +18,8 @@ def threads(request):
     set_host_threads(before)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (17, 255, 1000), (257, 64, 3000), (1, 17, 1), (40, 300, 5000)])
+@pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (3, 1000, 2049), (17, 255, 1000), (257, 64, 3000), (1, 17, 1),
+                                   (40, 300, 5000)])
 @pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK.T"])
 def test_matmul_into_matches_float64(threads, m, k, n, transposed):
     rng = np.random.default_rng(m * 1000 + n)
@@ -29,6 +30,32 @@ def test_matmul_into_matches_float64(threads, m, k, n, transposed):
     out = np.full((m, n), np.nan, np.float32)
     matmul_into(x, wv, out, b)
     ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmul_into_split_by_weight_is_repeatable(threads, m):
+    """A weight split into pieces that whichever thread is free computes: the same bits every run."""
+    rng = np.random.default_rng(17 + m)
+    x = rng.standard_normal((m, 4864)).astype(np.float32)
+    w = rng.standard_normal((4864, 1000)).astype(np.float32)
+    first = matmul_into(x, w, np.empty((m, 1000), np.float32))
+    for _ in range(5):
+        assert np.array_equal(matmul_into(x, w, np.empty((m, 1000), np.float32)), first)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.linalg.norm(first - ref) / np.linalg.norm(ref) < 1e-6
+
+
+def test_matmul_into_piece_error_reaches_the_caller(threads):
+    """An output one column short fails in the last piece, on whichever thread ran it: the caller gets the error
+    and the next product runs normally."""
+    rng = np.random.default_rng(255)
+    x = rng.standard_normal((1, 1000)).astype(np.float32)
+    w = np.ascontiguousarray(rng.standard_normal((4097, 1000)).astype(np.float32)).T
+    with pytest.raises(ValueError):
+        matmul_into(x, w, np.empty((1, 4096), np.float32))
+    out = matmul_into(x, w, np.empty((1, 4097), np.float32))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
 
 

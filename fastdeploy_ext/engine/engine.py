@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,12 +29,11 @@ from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
-from fastdeploy_ext.engine.request import Request
+from fastdeploy_ext.engine.request import EngineOutput, Request
 from fastdeploy_ext.engine.guided_decoding import GuidedDecoder
 from fastdeploy_ext.engine.sampler import SampleRow, log_softmax, make_sampler, top_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
-from fastdeploy_ext.engine.scheduler import Scheduler
-from fastdeploy_ext.engine.stop_strings import StopMatcher
+from fastdeploy_ext.engine.scheduler import EngineSnapshot, Scheduler
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
@@ -414,8 +414,6 @@ class LLMEngine:
         prompt; the others are forked from it when its prefill completes (KV pages and recurrent
         state copied, or with prefix caching the full prompt pages shared; first token sampled from the
         same logits). ``cache_salt``: prefix-cache entries are shared only among requests with the same salt."""
-        from fastdeploy_ext.engine.tokenizer import IncrementalDetokenizer
-
         self.validate_prompt(token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
@@ -435,7 +433,6 @@ class LLMEngine:
             seed = params.seed + k if params.seed is not None else int(self._rng.integers(0, 2**63 - 1))
             req.generator = np.random.default_rng(seed)
             req.device_seed = seed  # the device sampler's counter-based generator is keyed by it
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
             if matcher is not None:
                 req.matcher = matcher if k == 0 else matcher.deep_copy()
             if params.prompt_logprobs is not None:
@@ -466,25 +463,41 @@ class LLMEngine:
             touched.append(sib)
             to_sample.append((sib, row))
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a request; the id given to ``add_request`` also aborts all ``n`` of its siblings."""
+    def abort_request(self, request_id: str, finish_reason: str = "abort") -> bool:
+        """End a request with ``finish_reason`` (``"stop"`` when the output processor found a stop string); the id
+        given to ``add_request`` also ends all ``n`` of its siblings. Ended requests report no further output."""
         ids = [request_id] if request_id in self._requests else self._siblings.get(request_id, [])
         aborted = False
         for rid in ids:
             req = self._requests.get(rid)
             if req is not None and not req.is_finished:
-                self._finish(req, "abort")
+                self._finish(req, finish_reason)
+                req.reported_finish = True
                 aborted = True
         return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _finish(self, req: Request, reason: str, error: str | None = None, flush: bool = True) -> None:
-        if flush:
-            # A stream may end inside a multi-byte character held back by the detokenizer (not after a
-            # stop string: the text was cut there).
-            req.output_text += req.detokenizer.flush()
+    def stats(self) -> EngineSnapshot:
+        """The scheduler's queues, the KV pool and state slots in use, and the scheduler's counters (a copy)."""
+        blocks, slots = self.block_manager, self.scheduler.state_slots
+        return EngineSnapshot(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_used=blocks.num_used, kv_blocks_cached=getattr(blocks, "num_cached", 0),
+            kv_blocks_total=blocks.num_blocks, kv_block_size=blocks.block_size,
+            state_slots_used=slots.num_used if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            counters=dataclasses.replace(self.scheduler.stats))
+
+    def health(self) -> str | None:
+        """None while the engine can step; else why it cannot (a tensor-parallel rank failed: the rank, its
+        error and log tail). A rank may die while the engine is idle, when no step would notice."""
+        if getattr(self.runner, "failure", None) is None:
+            return None
+        return self.runner.describe_failure()
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason = reason
         req.error_msg = error
         req.metrics.finish_time = time.time()
@@ -497,8 +510,16 @@ class LLMEngine:
             self.scheduler.add_request(sib)  # the parent ended before its prefill: siblings run on their own
         self._requests.pop(req.request_id, None)
 
-    def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that advanced or finished in it."""
+    def step(self) -> list[EngineOutput]:
+        """Run one scheduler step; returns the output of each sequence that sampled or finished in it."""
+        outputs = []
+        for req in self._step():
+            out = req.take_output()
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
         if not out.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -622,17 +643,12 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if params.logprobs is not None:
             req.output_logprobs.append(logprobs)
-        checked = len(req.output_text)
-        req.output_text += req.detokenizer.add(token)
-
         n_out = len(req.output_token_ids)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return self._finish(req, "stop")
             if token in params.stop_token_ids:
                 return self._finish(req, "stop")
-            if params.stop and self._check_stop_strings(req, checked):
-                return self._finish(req, "stop", flush=False)
         if req.matcher is not None and req.matcher.is_stopped():
             # The grammar is complete: nothing but an end-of-sequence token could follow.
             return self._finish(req, "stop")
@@ -640,18 +656,3 @@ class LLMEngine:
             return self._finish(req, "length")
         if req.num_tokens >= self.max_model_len:
             return self._finish(req, "length")
-
-    def _check_stop_strings(self, req: Request, checked: int) -> bool:
-        """Cut the text at the first stop string completed by the text after ``checked`` (the request's
-        matcher has seen everything before it, so the work per token does not grow with the output)."""
-        text = req.output_text
-        matcher = getattr(req, "stop_matcher", None)
-        if matcher is None or matcher.fed != checked:
-            matcher = req.stop_matcher = StopMatcher(req.params.stop)
-            matcher.feed(text[:checked])
-        found = matcher.feed(text[checked:])
-        if not found:
-            return False
-        pos, s = min(found)
-        req.output_text = text[: pos + len(s)] if req.params.include_stop_str_in_output else text[:pos]
-        return True

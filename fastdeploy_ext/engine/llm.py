@@ -12,6 +12,7 @@ from typing import Any
 
 from fastdeploy_ext.engine.args import llm_docstring, llm_signature, split_keywords
 from fastdeploy_ext.engine.engine import LLMEngine
+from fastdeploy_ext.engine.output_processor import OutputProcessor, accumulate
 from fastdeploy_ext.engine.request import RequestOutput
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class LLM:
                                       self.llm_engine.reasoning_parser, front.chat_template)
         self._next_id = 0
         self._finished: dict[str, RequestOutput] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     def shutdown(self) -> None:
         """Stop the rank processes of a tensor-parallel engine (also done at interpreter exit)."""
@@ -162,6 +164,7 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         self._finished = finished  # readable after a KeyboardInterrupt
+        partial: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -169,10 +172,11 @@ class LLM:
             bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         while engine.has_unfinished_requests():
-            for req in engine.step():
-                if req.is_finished and req.request_id not in finished:
-                    finished[req.request_id] = req.to_output()
-                    generated += len(req.output_token_ids)
+            for delta in self.output_processor.step(engine):
+                out = accumulate(partial, delta)
+                if out is not None:
+                    finished[out.request_id] = partial.pop(out.request_id)
+                    generated += len(out.outputs.token_ids)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix_str(f"output {generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s")

@@ -1,4 +1,5 @@
-"""Request bookkeeping and FastDeploy-shaped outputs (``RequestOutput.outputs`` is one completion)."""
+"""Request bookkeeping, what one engine step reports per sequence (:class:`EngineOutput`), and FastDeploy-shaped
+outputs (``RequestOutput.outputs`` is one completion)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,32 @@ class RequestOutput:
     error_msg: str | None = None
 
 
+@dataclass
+class EngineOutput:
+    """One sequence's news from one engine step: the ids sampled since its previous output (with their logprob
+    dicts when ``params.logprobs`` is set), and the finish reason once it finished. Text, stop strings and output
+    parsing are the output processor's (engine/output_processor.py); ``params`` and ``prompt_token_ids`` are the
+    request's own objects, for it."""
+
+    request_id: str
+    group_id: str  # the id given to add_request (shared by the n > 1 siblings)
+    index: int  # the sibling's sample index
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None  # None when the request did not ask for them
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # with the sequence's first output, when the request asked for them
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class Request:
     """One sequence in the engine. ``num_computed_tokens`` counts tokens whose KV (and state) are in
     the cache; after a preemption it drops to 0 and the prompt plus generated tokens are recomputed."""
@@ -93,8 +120,9 @@ class Request:
         self.state_slot: int | None = None
         self.finish_reason: str | None = None
         self.error_msg: str | None = None
-        self.output_text = ""
-        self.detokenizer = None
+        self.num_reported = 0  # output tokens already handed out in an EngineOutput
+        self.reported = False  # an EngineOutput was handed out (the first one carries the prompt logprobs)
+        self.reported_finish = False  # the finished output was handed out (a sequence has one)
         self.generator = None
         self.matcher = None  # llguidance matcher of a guided request; host-side, so it survives a preemption
         self.num_preemptions = 0
@@ -115,24 +143,16 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def to_output(self) -> RequestOutput:
-        completion = CompletionOutput(
-            index=self.sample_index,
-            token_ids=list(self.output_token_ids),
-            text=self.output_text,
-            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
-            finish_reason=self.finish_reason,
-            error_msg=self.error_msg,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=completion,
-            finished=self.is_finished,
-            prompt_logprobs=self.prompt_logprobs,
-            metrics=self.metrics,
-            num_cached_tokens=self.num_cached_tokens,
-            error_code=500 if self.finish_reason == "error" else 200,
-            error_msg=self.error_msg,
-        )
+    def take_output(self) -> EngineOutput | None:
+        """What this sequence did since its previous output; None while it only computed prompt tokens."""
+        new = self.output_token_ids[self.num_reported:]
+        if self.reported_finish or (not new and not self.is_finished):
+            return None
+        logprobs = self.output_logprobs[self.num_reported:] if self.params.logprobs is not None else None
+        prompt_lps = None if self.reported or self.prompt_logprobs is None else list(self.prompt_logprobs)
+        self.num_reported = len(self.output_token_ids)
+        self.reported = True
+        self.reported_finish = self.is_finished
+        return EngineOutput(self.request_id, self.group_id, self.sample_index, self.prompt, self.prompt_token_ids,
+                            self.params, new, logprobs, self.finish_reason if self.is_finished else None,
+                            self.error_msg, self.num_cached_tokens, prompt_lps, self.metrics)

@@ -64,6 +64,22 @@ class SchedulerStats:
     prefix_snapshot_hits: int = 0  # admissions that restored a snapshot
 
 
+@dataclass
+class EngineSnapshot:
+    """What ``LLMEngine.stats()`` reports: the queues, the KV pool and recurrent-state slots in use, and a copy of
+    the scheduler's counters."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0  # free pages still holding a reusable prefix block
+    kv_blocks_total: int = 0
+    kv_block_size: int = 0
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    counters: SchedulerStats = field(default_factory=SchedulerStats)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  state_slots: StateSlotAllocator | None = None, prefix_cache: PrefixCache | None = None):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fastdeploy_ext import LLM, SamplingParams
+from fastdeploy_ext.engine.output_processor import accumulate
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, SnapshotPool, block_key
 from fastdeploy_ext.tiny import write_tiny
 from tests.oracle import NEAR_TIE
@@ -203,14 +204,16 @@ def test_n3_siblings_share_prompt_pages(model_dirs, arch):
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
             engine.add_request(str(i), None, p["prompt_token_ids"], params)
-        peak, done = 0, {}
+        peak, partial, done = 0, {}, {}
         while engine.has_unfinished_requests():
-            for req in engine.step():
-                if req.is_finished:
-                    done[req.request_id] = req.to_output()
-            peak = max(peak, engine.block_manager.num_used)
+            for delta in llm.output_processor.step(engine):
+                out = accumulate(partial, delta)
+                if out is not None:
+                    done[out.request_id] = out
+            peak = max(peak, engine.stats().kv_blocks_used)
         outs[caching] = ([done[k] for k in sorted(done)], peak)
-        assert engine.scheduler.stats.num_forks == 4 and engine.block_manager.num_used == 0
+        stats = engine.stats()
+        assert stats.counters.num_forks == 4 and stats.kv_blocks_used == 0
     assert_equivalent(outs[True][0], outs[False][0])
     # Shared: 4 + 3 full prompt pages are held once instead of three times.
     assert outs[False][1] - outs[True][1] == 2 * (4 + 3)

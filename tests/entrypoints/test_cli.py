@@ -283,7 +283,7 @@ def test_ctrl_c_on_generate_prints_what_finished(tiny_qwen2_dir):
         "    if seen:\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "    out = real(self)\n"
-        "    seen.extend(r for r in out if r.is_finished)\n"
+        "    seen.extend(r for r in out if r.finished)\n"
         "    return out\n"
         "llm_mod.LLMEngine.step = step\n"
         "sys.exit(main(sys.argv[1:]))\n")

@@ -221,7 +221,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> DeployConfig
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     # Paths given on the command line are relative to the working directory, not to the YAML file.
     for key in PATH_FIELDS:
-        if key in flags:
+        if isinstance(flags.get(key), str):
             flags[key] = os.path.abspath(flags[key])
     return build_config({**values, **flags}, where, base_dir)
 

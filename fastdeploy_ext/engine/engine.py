@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from functools import cached_property
 
 import numpy as np
 import paddle
@@ -29,6 +30,7 @@ from fastdeploy_ext.engine.cache_manager import BlockManager, StateSlotAllocator
 from fastdeploy_ext.engine.errors import RankFailure
 from fastdeploy_ext.engine.model_runner import ModelRunner
 from fastdeploy_ext.engine.prefix_cache import PrefixBlockManager, PrefixCache, SnapshotPool
+from fastdeploy_ext.engine.processor import EngineRequest, InputProcessor, PromptInputs
 from fastdeploy_ext.engine.request import EngineOutput, Request
 from fastdeploy_ext.engine.guided_decoding import GuidedDecoder
 from fastdeploy_ext.engine.sampler import SampleRow, log_softmax, make_sampler, top_logprobs
@@ -354,17 +356,10 @@ class LLMEngine:
                                          special_ids=specials, num_threads=host_threads(), **self.guided_options)
         return self._guided
 
-    def reasoning_open(self, token_ids: list[int]) -> bool:
-        """The prompt ends inside a reasoning section (its template opened ``<think>``)."""
-        rp = self.reasoning_parser
-        if rp is None:
-            return False
-        tail = self.tokenizer.decode(token_ids[-8:], skip_special_tokens=False)
-        return rp.prompt_opens_reasoning(tail)
-
-    def compile_guided(self, params: SamplingParams, token_ids: list[int]):
-        """A fresh matcher for ``params.guided_decoding`` (``GrammarError`` naming the field if invalid)."""
-        return self.guided.compile(params.guided_decoding, self.reasoning_open(token_ids))
+    @cached_property
+    def processor(self) -> InputProcessor:
+        """The input path of requests given to :meth:`add_request` as token ids (the offline API's policy)."""
+        return InputProcessor.for_engine(self)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel rank processes (no-op at tp == 1)."""
@@ -385,47 +380,34 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams.from_generation_config(self.generation_config)
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams, where: str = "prompt") -> None:
-        if not token_ids:
-            raise ValueError(f"{where} is empty")
-        if not all(isinstance(t, (int, np.integer)) for t in token_ids):
-            raise ValueError(f"{where}: token ids must be ints")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        for name in ("stop_token_ids", "bad_words_token_ids", "logit_bias"):
-            ids = list(getattr(params, name) or [])
-            if any(t >= self.vocab_size for t in ids):
-                raise ValueError(f"SamplingParams.{name}: token id {max(ids)} outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"{where} has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (prompt + at least one generated token)"
-            )
-        need = math.ceil(len(token_ids) / self.block_manager.block_size)
-        if need > self.block_manager.num_blocks:
-            raise ValueError(f"{where} needs {need} KV blocks but the pool has {self.block_manager.num_blocks}")
-        if params.prompt_logprobs is not None and len(token_ids) < 1:
-            raise ValueError(f"{where}: prompt_logprobs needs a prompt")
+    def add_request(self, request_id: str, prompt: EngineRequest | str | None, token_ids: list[int] | None = None,
+                    params: SamplingParams | None = None, multimodal_inputs=None,
+                    cache_salt: str | None = None) -> list[Request]:
+        """Queue a request: an :class:`EngineRequest` of an input processor (engine/processor.py), taken as it is,
+        or a prompt's text, ``token_ids`` (placeholders expanded), ``params``, ``multimodal_inputs`` and
+        ``cache_salt``, which go through :attr:`processor` first (``RequestError`` naming the problem).
 
-    def add_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                    multimodal_inputs=None, cache_salt: str | None = None) -> list[Request]:
-        """Queue a prompt; ``n > 1`` creates ``n`` sibling sequences ``<id>_<k>`` whose seeds are
-        ``seed + k`` (so sibling k equals a single-sample run with that seed). Only sibling 0 runs the
-        prompt; the others are forked from it when its prefill completes (KV pages and recurrent
-        state copied, or with prefix caching the full prompt pages shared; first token sampled from the
-        same logits). ``cache_salt``: prefix-cache entries are shared only among requests with the same salt."""
-        self.validate_prompt(token_ids, params)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        ``n > 1`` creates ``n`` sibling sequences ``<id>_<k>`` whose seeds are ``seed + k`` (so sibling k equals a
+        single-sample run with that seed). Only sibling 0 runs the prompt; the others are forked from it when its
+        prefill completes (KV pages and recurrent state copied, or with prefix caching the full prompt pages shared;
+        first token sampled from the same logits). ``cache_salt``: prefix-cache entries are shared only among
+        requests with the same salt."""
+        from fastdeploy_ext.engine.tokenizer import IncrementalDetokenizer
+
+        if isinstance(prompt, EngineRequest):
+            request = prompt
+        else:
+            request = self.processor.build(PromptInputs(prompt, token_ids, multimodal_inputs), params, cache_salt)
+        params, token_ids, cache_salt = request.params, request.prompt_token_ids, request.cache_salt
+        multimodal_inputs, matcher = request.multimodal_inputs, request.matcher
         prefix = self.scheduler.prefix
         spans = self.model.prefix_cache_spans(multimodal_inputs) if prefix is not None else []
-        matcher = self.compile_guided(params, token_ids) if params.guided_decoding is not None else None
         created = []
         for k in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}_{k}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            req = Request(rid, prompt, token_ids, params, sample_index=k, multimodal_inputs=multimodal_inputs,
+            req = Request(rid, request.prompt, token_ids, params, sample_index=k, multimodal_inputs=multimodal_inputs,
                           arrival_index=self._arrivals, group_id=request_id, cache_salt=cache_salt)
             if prefix is not None:
                 req.prefix = prefix.new_state(cache_salt, spans)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -257,9 +258,33 @@ def check_keywords(kwargs: dict, callee: str = "LLM()") -> None:
             raise TypeError(f"{callee} got an unexpected keyword argument {name!r}{hint}")
 
 
+def check_values(kwargs: dict) -> None:
+    """Each value against its field's type and numeric range (a ``ConfigError`` naming the keyword). Names from a list
+    (``device``, ``dtype``, ``backend``, the parsers) and ``quantization`` are left to the engine, which knows its
+    aliases and the checkpoint."""
+    from fastdeploy_ext.config.base import ConfigError
+
+    by_name = {f.name: f for f in fields_of(*LLM_ARGS)}
+    for name, value in kwargs.items():
+        f = by_name[name]
+        spec = spec_of(f)
+        if value is None or spec.check is not None or spec.choices:
+            continue
+        types = value_types(f)
+        if spec.path and isinstance(value, os.PathLike):
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            names = "/".join("None" if t is type(None) else t.__name__ for t in types)
+            raise ConfigError(f"{name} must be {names}, got {value!r}")
+        why = spec.problem(value)
+        if why:
+            raise ConfigError(f"{name} {why}, got {value!r}")
+
+
 def split_keywords(model: str, kwargs: dict) -> tuple[EngineArgs, FrontendArgs]:
-    """``LLM``'s keywords, checked by name, as the two dataclasses."""
+    """``LLM``'s keywords, checked by name, type and range, as the two dataclasses."""
     check_keywords(kwargs)
+    check_values(kwargs)
     engine = {k: v for k, v in kwargs.items() if k in ENGINE_FIELDS}
     front = {k: v for k, v in kwargs.items() if k in FRONTEND_FIELDS}
     return EngineArgs(model=model, **engine), FrontendArgs(**front)

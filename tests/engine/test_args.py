@@ -50,6 +50,20 @@ def test_an_unknown_keyword_is_named_with_the_closest_before_anything_loads(tmp_
         LLM(model=missing, zzz=1)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 0}, "block_size must be >= 1, got 0"),
+    ({"max_num_seqs": "17"}, "max_num_seqs must be int, got '17'"),
+    ({"enable_prefix_caching": 1}, "enable_prefix_caching must be bool/None, got 1"),
+    ({"rank_heartbeat_timeout_s": 1.0}, "rank_heartbeat_timeout_s must be >= 2, got 1.0"),
+], ids=["range", "type", "bool", "float_range"])
+def test_keyword_values_are_checked_against_their_field_before_anything_loads(tmp_path, kwargs, message):
+    from fastdeploy_ext import LLM
+
+    with pytest.raises(ConfigError) as e:
+        LLM(model=str(tmp_path / "no-such-checkpoint"), **kwargs)
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("num_threads", 0, "field 'num_threads' must be >= 1, got 0"),
     ("seed", -1, "field 'seed' must be >= 0, got -1"),

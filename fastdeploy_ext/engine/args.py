@@ -4,10 +4,10 @@ Each field of :class:`EngineArgs` and :class:`FrontendArgs` carries its type (th
 help sentence and the values it allows (:func:`arg`). Everything else is generated from these fields: the keywords of
 ``LLM`` (:func:`llm_signature`, :func:`check_keywords`), the schema of a deployment config
 (``entrypoints/deploy_config.py``, which adds the server's and the plan's own fields the same way), the
-``--kebab-case`` flags of ``generate``, ``serve`` and ``plan`` (``entrypoints/cli.py``) and the fields the memory
-planner reads (:func:`plan_fields`).
+``--kebab-case`` flags of ``generate``, ``serve`` and ``plan`` (``entrypoints/cli.py``) and the planner's view
+(the fields marked ``plan``: ``deploy_config.PLAN_FIELDS``, the flags ``plan`` offers).
 
-This module imports neither Paddle nor the engine: the command line checks its flags before Paddle loads.
+Nothing here imports Paddle: the command line checks its flags and configs before Paddle loads.
 """
 
 from __future__ import annotations
@@ -54,15 +54,14 @@ class ArgSpec:
     deploy_choices: tuple | None = None
     deploy_help: str | None = None
 
-    def problem(self, value, choices: tuple | None = None) -> str | None:
+    def problem(self, value) -> str | None:
         """Why ``value`` (of the right type) is not allowed, or None; None is always allowed where the type is."""
         if value is None:
             return None
         if self.check is not None:
             return self.check(value)
-        choices = self.choices if choices is None else choices
-        if choices and value not in choices:
-            return f"must be one of {', '.join(map(str, choices))}"
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(map(str, self.choices))}"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         low_ok = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
@@ -141,7 +140,8 @@ class EngineArgs:
     """Everything the engine is built from (tensor-parallel ranks rebuild the model from the same values)."""
 
     model: str = arg(help="Checkpoint directory: config.json, safetensors weights and tokenizer.json (make-tiny "
-                     "writes one); in a YAML file, relative to the file.", check=_non_empty, plan=True, path=True, metavar="DIR")
+                     "writes one); in a YAML file, relative to the file.", check=_non_empty, plan=True, path=True,
+                     metavar="DIR")
     tokenizer: str | None = arg(None, "Directory of the tokenizer (tokenizer.json) when it is not the checkpoint's; "
                                 "default: model.", path=True, metavar="DIR")
     tensor_parallel_size: int = arg(1, "Ranks the model is sharded over (gloo on CPU, NCCL on GPU); must divide the "
@@ -220,11 +220,6 @@ def fields_of(*classes) -> list[dataclasses.Field]:
     return [f for cls in classes for f in dataclasses.fields(cls)]
 
 
-def plan_fields() -> tuple[str, ...]:
-    """The engine fields the memory plan depends on (the planner's view of the engine)."""
-    return tuple(f.name for f in dataclasses.fields(EngineArgs) if spec_of(f).plan)
-
-
 def llm_signature() -> inspect.Signature:
     """``LLM(model, *, tokenizer=None, ...)``: every field of :data:`LLM_ARGS` as a keyword with its default."""
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -248,14 +243,14 @@ def llm_docstring(indent: str = "") -> str:
     return "\n".join(lines)
 
 
-def check_keywords(kwargs: dict, callee: str = "LLM()") -> None:
+def check_keywords(kwargs: dict) -> None:
     """An unknown keyword is a TypeError naming it and the closest known one."""
     known = [f.name for f in fields_of(*LLM_ARGS)]
     for name in kwargs:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; keywords: {', '.join(known)}"
-            raise TypeError(f"{callee} got an unexpected keyword argument {name!r}{hint}")
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
 
 
 def check_values(kwargs: dict) -> None:

@@ -53,12 +53,6 @@ class ModelRunner:
             self.state_pool = [paddle.zeros([num_state_slots, *spec.shape], spec.dtype) for _ in range(spec.num_layers)]
         self._mm_inputs: dict[str, Any] = {}
 
-    def kv_cache_bytes(self) -> int:
-        return sum(int(k.numel()) * k.element_size() * 2 for k, _ in self.caches)
-
-    def state_pool_bytes(self) -> int:
-        return sum(int(p.numel()) * p.element_size() for p in self.state_pool or [])
-
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
         if self.state_pool is not None:
             self.backend.copy_state(self.state_pool, [src_slot], [dst_slot])

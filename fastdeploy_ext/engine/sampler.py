@@ -22,12 +22,15 @@ log-softmax of the raw logits (before penalties and temperature), as vLLM and Fa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.ops.host.host_threads import host_threads, run_parallel
+
+logger = logging.getLogger("fastdeploy_ext")
 
 # Rows per thread below which a hand-off costs more than it saves (a row of 200k logits is ~0.5 ms).
 _MIN_ROWS_PER_THREAD = 2
@@ -423,3 +426,94 @@ def sample_token(logits: np.ndarray, params: SamplingParams, prompt_ids: list[in
                      0 if allowed is not None else None)
     token, _ = _sample_row(np.asarray(logits), spec, bitmask)
     return token
+
+
+def record_prompt_logprobs(req, start: int, rows: np.ndarray) -> None:
+    """Append the logprobs of prompt positions ``start + 1 ..`` that the logits ``rows`` (from position ``start``)
+    predict: the top ``params.prompt_logprobs`` and the prompt's own token."""
+    k = req.params.prompt_logprobs
+    prompt = req.prompt_token_ids
+    if len(req.prompt_logprobs) != start + 1:
+        return  # a recompute after preemption: these positions are already recorded
+    lps = log_softmax(rows)
+    for i in range(rows.shape[0]):
+        nxt = start + i + 1
+        if nxt < len(prompt):
+            req.prompt_logprobs.append(top_logprobs(lps[i], k, prompt[nxt]))
+
+
+class StepSampler:
+    """The tokens of one engine step: each request's banned ids (bad words; EOS and stop ids before
+    ``min_tokens``) and grammar mask row, then one call of the batched ``sampler``. The masks of all
+    grammar-constrained requests are computed together (one parallel llguidance fill) and go to the sampler
+    packed, as llguidance writes them. ``guided`` returns the engine's ``GuidedDecoder`` (built on first use)."""
+
+    def __init__(self, sampler, eos_token_ids: list[int], guided):
+        self.sampler = sampler
+        self.eos_token_ids = list(eos_token_ids)
+        self._guided = guided
+
+    def sample(self, pairs: list, finish) -> list[tuple]:
+        """``(request, token, logprobs)`` for each ``(request, raw logits row)`` of ``pairs`` that samples; a request
+        that cannot is ended with ``finish(request, reason, error)`` (``"length"`` for ``max_tokens`` 0, whose prompt
+        logprobs are recorded; ``"error"`` naming the failure)."""
+        live = []
+        for req, row in pairs:
+            if req.is_finished:
+                continue
+            if req.params.max_tokens == 0:
+                finish(req, "length")
+                continue
+            live.append((req, row))
+        masks, bitmask = {}, None
+        guided = [req for req, _ in live if req.matcher is not None]
+        if guided:
+            try:
+                bitmask = self._guided().fill_bitmask([req.matcher for req in guided])
+                masks = {req.request_id: j for j, req in enumerate(guided)}
+                for req in guided:
+                    # Over the per-step mask budget (llguidance's limits): the mask of an errored matcher
+                    # allows only EOS, which would end the request as if the grammar were complete.
+                    if req.matcher.is_error():
+                        why = req.matcher.get_error().split("\n", 1)[0][:300]
+                        finish(req, "error", f"guided decoding: {why}")
+            except Exception as e:
+                logger.exception("guided decoding mask failed")
+                for req in guided:
+                    finish(req, "error", f"guided decoding: {type(e).__name__}: {e}")
+        batch, rows, specs = [], [], []
+        for req, row in live:
+            if req.is_finished:
+                continue
+            try:
+                specs.append(self._row_spec(req, bitmask, masks.get(req.request_id)))
+                batch.append(req)
+                rows.append(row)
+            except Exception as e:
+                logger.exception("request %s failed", req.request_id)
+                finish(req, "error", f"{type(e).__name__}: {e}")
+        if not batch:
+            return []
+        result = self.sampler.sample(rows, specs, bitmask)
+        sampled = []
+        for j, req in enumerate(batch):
+            if result.errors[j] is not None:
+                err = result.errors[j]
+                logger.error("request %s failed", req.request_id, exc_info=err)
+                finish(req, "error", f"{type(err).__name__}: {err}")
+                continue
+            sampled.append((req, int(result.token_ids[j]), result.logprobs[j]))
+        return sampled
+
+    def _row_spec(self, req, bitmask, mask_row: int | None) -> SampleRow:
+        """What the sampler needs of ``req``: the ids it may not produce now and its grammar's mask row."""
+        params = req.params
+        banned = list(params.bad_words_token_ids or [])
+        if len(req.output_token_ids) < params.min_tokens and req.matcher is None:
+            # With a grammar, the grammar decides when the output may end.
+            banned += self.eos_token_ids + params.stop_token_ids
+        if req.matcher is not None and (mask_row is None or not bitmask[mask_row].any()):
+            raise ValueError(f"guided decoding: the grammar allows no token here "
+                             f"({req.matcher.get_error().split(chr(10), 1)[0][:300] or 'no continuation'})")
+        return SampleRow(params, req.prompt_token_ids, req.output_token_ids, req.generator, banned, mask_row,
+                         seed=req.device_seed, position=len(req.output_token_ids))

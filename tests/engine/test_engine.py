@@ -213,17 +213,27 @@ def test_failing_request_does_not_take_down_others(tiny_qwen2_dir, monkeypatch):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert outs[1].outputs.finish_reason == "error" and "sampler blew up" in outs[1].outputs.error_msg
     assert [len(outs[i].outputs.token_ids) for i in (0, 2)] == [5, 5]
-    assert llm.llm_engine.block_manager.num_used == 0
+    assert llm.llm_engine.stats().kv_blocks_used == 0
 
 
 def test_abort_frees_pages(tiny_qwen2_dir):
     llm = LLM(model=tiny_qwen2_dir, max_model_len=128, enable_prefix_caching=False)
     engine = llm.llm_engine
     engine.add_request("a", None, prompts_of([30], 311)[0]["prompt_token_ids"], SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
-    assert engine.block_manager.num_used > 0
+    queued = engine.stats()
+    assert (queued.waiting, queued.running, queued.kv_blocks_used) == (1, 0, 0)
+    (out,) = engine.step()
+    running = engine.stats()
+    # 30 prompt tokens and the sampled one in 16-token pages; the snapshot is a copy, not a view
+    assert (running.waiting, running.running, running.kv_blocks_used) == (0, 1, 2)
+    assert running.counters.num_steps == 1 and running.kv_blocks_total == engine.stats().kv_blocks_total > 2
+    assert out.request_id == "a" and len(out.new_token_ids) == 1 and not out.finished
     assert engine.abort_request("a")
-    assert engine.block_manager.num_used == 0 and not engine.has_unfinished_requests()
+    done = engine.stats()
+    assert (done.running, done.kv_blocks_used) == (0, 0) and not engine.has_unfinished_requests()
+    assert queued.waiting == 1 and running.kv_blocks_used == 2
+    assert engine.step() == []  # an aborted request reports nothing more
+    assert engine.health() is None  # one process: no rank can fail
 
 
 def test_chat_uses_template(tiny_qwen2_dir):

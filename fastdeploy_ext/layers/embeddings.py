@@ -46,7 +46,8 @@ class VocabParallelEmbedding(nn.Layer):
         self.per_rank = divide(num_embeddings, self.tp_size, f"{prefix}: vocab_size / tensor_parallel_size")
         self.vocab_start = self.tp_rank * self.per_rank
         self.embeddings = nn.Layer()
-        self.embeddings.weight = create_param(self.embeddings, [self.per_rank, embedding_dim], compute_dtype(fd_config))
+        self.embeddings.weight = create_param(self.embeddings, [self.per_rank, embedding_dim],
+                                              compute_dtype(fd_config), value=None)
         self.embeddings.weight.weight_loader = self.weight_loader
         self.embeddings.weight.param_path = f"{prefix}.embeddings.weight"
         # The host backend looks rows up and computes tied logits in NumPy (ops/host/gemm.py).
@@ -89,7 +90,8 @@ class ParallelLMHead(nn.Layer):
         self.tp_size, self.tp_rank = tp_size(fd_config), tp_rank(fd_config)
         self.per_rank = divide(num_embeddings, self.tp_size, f"{prefix}: vocab_size / tensor_parallel_size")
         self.linear = nn.Layer()
-        self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], accum_dtype(fd_config))
+        self.linear.weight = create_param(self.linear, [embedding_dim, self.per_rank], accum_dtype(fd_config),
+                                          value=None)
         self.linear.weight.weight_loader = self.weight_loader
         self.linear.weight.param_path = f"{prefix}.linear.weight"
         self.host = backend_of(fd_config) == "host" and accum_dtype(fd_config) == "float32"

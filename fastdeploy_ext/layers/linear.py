@@ -64,7 +64,7 @@ class LinearBase(nn.Layer):
             self.quant_method.create_weights(self, expected_shards)
         else:
             self.weight = create_param(self, [self.input_size_per_partition, self.output_size_per_partition],
-                                       self.weight_dtype)
+                                       self.weight_dtype, value=None)
             self.weight.weight_loader = self.weight_loader
             self.weight.expected_shards = expected_shards
             self.weight.param_path = f"{self.prefix}.weight"

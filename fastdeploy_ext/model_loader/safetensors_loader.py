@@ -25,7 +25,7 @@ _maps: dict = {}
 
 
 def _mapped(path: str, name: str, shape: tuple, dtype: str) -> np.ndarray:
-    """Tensor ``name`` of safetensors file ``path`` as a read-only view of the file mapped into memory, after
+    """Tensor ``name`` of safetensors file ``path`` as a view of the file mapped into memory (copy-on-write), after
     checking that its header entry has the expected dtype and shape and that its bytes lie inside the file."""
     try:
         st = os.stat(path)
@@ -37,7 +37,9 @@ def _mapped(path: str, name: str, shape: tuple, dtype: str) -> np.ndarray:
                     raise ValueError(f"header length {n} does not fit the file's {st.st_size} bytes")
                 header = json.loads(f.read(n))
             _maps.clear()  # one file mapped at a time: a checkpoint is read file by file
-            _maps[key] = (np.memmap(path, dtype=np.uint8, mode="r"), 8 + n, header)
+            # Copy-on-write: a parameter stored as the file stores it keeps the mapped pages (ops/host/copy.py);
+            # nothing written through a view reaches the file.
+            _maps[key] = (np.memmap(path, dtype=np.uint8, mode="c"), 8 + n, header)
         mapped, start, header = _maps[key]
         entry = header[name]
         begin, end = (int(x) for x in entry["data_offsets"])
@@ -66,8 +68,8 @@ class LazyTensor:
             raise WeightLoadError(f"tensor '{self.name}' in {self.path} is stored as {self.dtype}, but the parameter "
                                   f"it fills is floating point (expected one of {', '.join(sorted(FLOAT_DTYPES))})")
         if self.dtype in _NUMPY_DTYPES:
-            # A read-only view of the mapped file: the parameter's copy is the one pass over the weight (a
-            # safetensors read, Paddle's tensor and its .numpy() copy were three).
+            # A view of the mapped file: the parameter's copy is the one pass over the weight (a safetensors
+            # read, Paddle's tensor and its .numpy() copy were three), or none where it keeps the pages.
             t = _mapped(self.path, self.name, self.shape, self.dtype)[idx]
             return t if t.dtype == np.float32 else t.astype(np.float32)
         try:

@@ -59,12 +59,15 @@ def test_matmul_into_piece_error_reaches_the_caller(threads):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (17, 255), (1000, 257), (129, 4864)])
-def test_copy_into_transposed_view_is_exact(shape):
+@pytest.mark.parametrize("shape", [(1, 1), (17, 255), (1000, 257), (129, 4864), (1001, 1000)])
+def test_copy_into_transposed_view_is_exact(threads, shape):
     src = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     dst = np.zeros(shape[::-1], np.float32)
     copy_into(dst, src.T)
     assert np.array_equal(dst, src.T)
+    same = np.zeros(shape, np.float32)
+    copy_into(same, src)
+    assert np.array_equal(same, src)
     with pytest.raises(ValueError, match="copy of"):
         copy_into(np.zeros((shape[1] + 1, shape[0]), np.float32), src.T)
 

@@ -220,7 +220,7 @@ def _checked(f, kind: type):
                                              f"{value!r}") from None
         why = spec_of(f).problem(converted)
         if why:
-            raise argparse.ArgumentTypeError(f"{why}, got {value}")
+            raise argparse.ArgumentTypeError(f"{why}, got {repr(value) if kind is str else value}")
         return converted
 
     return parse
@@ -253,7 +253,8 @@ def _add_arg_flags(p: argparse.ArgumentParser, fields, from_config: bool) -> tup
             continue
         kind = _flag_kind(f)
         metavar = None if spec.choices else spec.metavar or {int: "N", float: "X"}.get(kind, "VALUE")
-        p.add_argument(flag, dest=f.name, type=kind if from_config or kind is str else _checked(f, kind),
+        # argparse itself refuses a value outside the choices, with the list.
+        p.add_argument(flag, dest=f.name, type=kind if from_config or spec.choices else _checked(f, kind),
                        default=default, required=required, choices=spec.choices or None, metavar=metavar, help=help_)
     return tuple(added)
 

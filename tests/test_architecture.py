@@ -431,6 +431,51 @@ def test_engine_arguments_are_one_set():
     assert read == offered, (f"the planner reads but plan does not offer: {sorted(read - offered)}; plan offers but "
                              f"the planner ignores: {sorted(offered - read)}")
 
+
+ENGINE_INTERNALS = ("scheduler", "block_manager", "runner")
+
+
+def engine_internals_in_server(root: str) -> list[str]:
+    """Attributes (and ``getattr`` names) of :data:`ENGINE_INTERNALS` in the server's modules
+    (``entrypoints/openai*``): the server asks the engine through ``stats()`` and ``health()``."""
+    found = []
+    for name, path in modules(root).items():
+        if not name.startswith("fastdeploy_ext.entrypoints.openai"):
+            continue
+        for node in ast.walk(parse(path)):
+            attr = None
+            if isinstance(node, ast.Attribute):
+                attr = node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                attr = node.args[1].value
+            if attr in ENGINE_INTERNALS:
+                found.append(f"{rel(path, root)}:{node.lineno} .{attr}")
+    return found
+
+
+def test_server_does_not_reach_into_the_engine():
+    assert engine_internals_in_server(package_dir()) == []
+
+
+def test_engine_internals_checker_sees_what_it_should(tmp_path):
+    pkg = tmp_path / "fastdeploy_ext"
+    files = {
+        "__init__.py": "",
+        "entrypoints/__init__.py": "",
+        "entrypoints/openai/__init__.py": "",
+        "entrypoints/openai/loop.py": ("def f(engine):\n    s = engine.scheduler.running\n"
+                                       "    return getattr(engine, 'runner', None), engine.stats()\n"),
+        "entrypoints/cli.py": "def g(llm):\n    return llm.llm_engine.block_manager\n",
+    }
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert engine_internals_in_server(str(pkg)) == ["fastdeploy_ext/entrypoints/openai/loop.py:2 .scheduler",
+                                                    "fastdeploy_ext/entrypoints/openai/loop.py:3 .runner"]
+
+
 if __name__ == "__main__":  # pragma: no cover - a quick report
     r = package_dir()
     print("\n".join(backend_branches(r) + layering_violations(r)))

@@ -3,8 +3,8 @@
 The engine is single-threaded, so one :class:`EngineLoop` thread owns it: request handlers (asyncio, on
 uvicorn's event loop) hand it ``add``/``abort`` commands through a thread-safe queue, and it pushes
 per-step updates back into each request's ``asyncio.Queue`` with ``call_soon_threadsafe``. Nothing but
-that thread calls into the engine after start-up, except :meth:`LLMEngine.validate_prompt`, which reads
-only values fixed at construction.
+that thread calls into the engine after start-up, except the input processor (engine/processor.py), which
+reads only values fixed at construction: each request becomes a checked ``EngineRequest`` on the handler's side.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus text). Unknown routes and methods get
@@ -14,9 +14,7 @@ OpenAI-shaped 404/405 bodies.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
-import binascii
 import hmac
 import json
 import logging
@@ -28,17 +26,16 @@ import uuid
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fastdeploy_ext.engine.errors import RankFailure
-from fastdeploy_ext.engine.stop_strings import StopMatcher
+from fastdeploy_ext.engine.errors import RankFailure, RequestError
+from fastdeploy_ext.engine.processor import ChatTemplate, EngineRequest, InputPolicy, InputProcessor
+from fastdeploy_ext.engine.output_processor import OutputProcessor, chat_finish_reason
 from fastdeploy_ext.entrypoints.limits import (RequestBodyGuard, ServerLimits, guarded_http_protocol,
                                               install_repeat_filter, json_elements, max_json_elements)
-from fastdeploy_ext.engine.guided_decoding import GrammarError
 from fastdeploy_ext.engine.chat_adapter import ChatFormat
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
@@ -47,16 +44,8 @@ from fastdeploy_ext.entrypoints.protocol import (
     parse_request,
     sampling_params_of,
 )
-from fastdeploy_ext.engine.template_sandbox import (
-    RESERVED_VARIABLES,
-    TemplateBusy,
-    TemplateLimitError,
-    TemplateTimeout,
-    TemplateWorkers,
-    undeclared_variables,
-)
-from fastdeploy_ext.entrypoints.request_features import (generation_error, grammar_error, guided_params_of,
-                                                         logit_bias_of, tools_of)
+from fastdeploy_ext.engine.template_sandbox import TemplateWorkers
+from fastdeploy_ext.entrypoints.request_features import generation_error, guided_params_of, logit_bias_of, tools_of
 
 logger = logging.getLogger("fastdeploy_ext.server")
 
@@ -72,8 +61,9 @@ AUDIO_DECODE_THREADS = 2
 
 @dataclass
 class Update:
-    """One engine step's news for one choice: the full text so far (a str snapshot), the tokens (and
-    their logprob dicts) generated since the previous update, and the finish reason once finished."""
+    """One engine step's news for one choice of an HTTP request: the text released since the previous update,
+    the tokens (and their logprob dicts) generated since then, the finish reason once finished, and with a chat
+    stream the parsers' OpenAI ``delta`` (engine/output_processor.py makes all of it)."""
 
     index: int
     text: str
@@ -83,16 +73,19 @@ class Update:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
     prompt_logprobs: list | None = None  # with the choice's first update, when the request asked for them
+    chat: dict | None = None
+    num_tool_calls: int = 0
 
 
 @dataclass
 class _Sink:
+    """Where the choices of one submitted prompt report: indices ``base .. base + n - 1`` of ``queue``."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    index: int
-    sent: int = 0  # output tokens already published
-    published: bool = False
-    text: str = ""  # the output text last published (what an abort's final update repeats)
+    base: int
+    n: int
+    finished: set = field(default_factory=set)  # sample indices that finished
 
 
 @dataclass
@@ -115,16 +108,16 @@ class EngineStats:
 
 
 class EngineLoop:
-    """Drives one engine from one thread and fans its outputs out to asyncio queues."""
+    """Drives one engine from one thread: its steps go through the output processor, whose deltas fan out to
+    asyncio queues."""
 
     def __init__(self, engine, max_pending_requests: int, stats_interval: float = 0.0):
         self.engine = engine
+        self.output = OutputProcessor(engine.tokenizer)  # engine thread only
         self.max_pending_requests = max_pending_requests
         self.stats_interval = stats_interval
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine request id -> sink (engine thread only)
-        self._groups: dict[str, list[str]] = {}  # submitted id -> engine ids of its n choices (engine thread only)
-        self._group_of: dict[str, str] = {}  # engine id -> submitted id (engine thread only)
+        self._sinks: dict[str, _Sink] = {}  # submitted id -> its choices' sink (engine thread only)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._rate: deque = deque()
@@ -152,13 +145,18 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def submit(self, request_id: str, prompt: str | None, token_ids: list[int], params, multimodal_inputs,
-               sink_queue: asyncio.Queue, index_base: int, cache_salt: str | None = None) -> None:
-        """Queue a prompt; its ``params.n`` choices report to ``sink_queue`` as indices
-        ``index_base .. index_base + n - 1``. Called on the event loop."""
+    @property
+    def num_requests(self) -> int:
+        """Submitted prompts whose choices have not all finished (nor been aborted)."""
+        return len(self._sinks)
+
+    def submit(self, request_id: str, request, sink_queue: asyncio.Queue, index_base: int,
+               chat: tuple | None = None) -> None:
+        """Queue an ``EngineRequest``; its ``params.n`` choices report to ``sink_queue`` as indices
+        ``index_base .. index_base + n - 1``. ``chat``: ``(ChatFormat, parse_tools, reasoning_open)`` runs the
+        chat stream parsers on the choices. Called on the event loop."""
         loop = asyncio.get_running_loop()
-        self._commands.put(("add", request_id, prompt, token_ids, params, multimodal_inputs, loop, sink_queue,
-                            index_base, cache_salt))
+        self._commands.put(("add", request_id, request, loop, sink_queue, index_base, chat))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -173,12 +171,12 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 self._drain(block=not engine.has_unfinished_requests())
-                failure = getattr(engine.runner, "failure", None)
-                if failure is not None:  # a rank died while the engine was idle: no step would notice
-                    raise RankFailure(engine.runner.describe_failure())
+                failure = engine.health()
+                if failure is not None:
+                    raise RankFailure(failure)
                 if engine.has_unfinished_requests():
-                    for req in engine.step():
-                        self._publish(req)
+                    for delta in self.output.step(engine):
+                        self._publish(delta)
             except RankFailure as e:  # the engine cannot run another step: /health must say so
                 logger.error("tensor-parallel rank failed; the engine loop stops: %s", e)
                 self.failure = str(e)
@@ -206,94 +204,88 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, ids, params, mm, loop, sink_queue, base, salt = cmd
+            _, rid, request, loop, sink_queue, base, chat = cmd
+            if chat is not None:
+                self.output.attach_chat(rid, *chat)
             try:
-                reqs = self.engine.add_request(rid, prompt, ids, params, mm, cache_salt=salt)
+                reqs = self.engine.add_request(rid, request)
             except Exception as e:
-                for k in range(params.n):
+                self.output.release(rid)
+                for k in range(request.params.n):
                     _post(loop, sink_queue, Update(base + k, "", [], [], "error", f"{type(e).__name__}: {e}"))
                 return
-            self._prompt_tokens += len(ids)
-            self._groups[rid] = [r.request_id for r in reqs]
-            for r in reqs:
-                self._group_of[r.request_id] = rid
-            for k, r in enumerate(reqs):
-                self._sinks[r.request_id] = _Sink(loop, sink_queue, base + k)
+            self._prompt_tokens += len(reqs[0].prompt_token_ids)
+            self._sinks[rid] = _Sink(loop, sink_queue, base, len(reqs))
         elif cmd[0] == "abort_all":
-            for eid, sink in list(self._sinks.items()):
-                self.engine.abort_request(eid)
-                _post(sink.loop, sink.queue, Update(sink.index, sink.text, [], [], "abort"))
-                self._finished["abort"] = self._finished.get("abort", 0) + 1
-                self.num_drain_aborted += 1
-            self._sinks.clear()
-            self._groups.clear()
-            self._group_of.clear()
-        elif cmd[0] == "abort":
-            for eid in self._groups.pop(cmd[1], []):
-                self._group_of.pop(eid, None)
-                if self._sinks.pop(eid, None) is not None:
-                    self.engine.abort_request(eid)
+            for rid, sink in list(self._sinks.items()):
+                self.engine.abort_request(rid)
+                finals = self.output.abort(rid)
+                for k in range(sink.n):
+                    if k in sink.finished:
+                        continue
+                    final = finals.get(k)
+                    _post(sink.loop, sink.queue, Update(sink.base + k, final.text if final else "", [], [], "abort",
+                                                        chat=final.chat if final else None,
+                                                        num_tool_calls=final.num_tool_calls if final else 0))
                     self._finished["abort"] = self._finished.get("abort", 0) + 1
+                    self.num_drain_aborted += 1
+            self._sinks.clear()
+        elif cmd[0] == "abort":
+            sink = self._sinks.pop(cmd[1], None)
+            if sink is not None:
+                self.engine.abort_request(cmd[1])
+                self.output.abort(cmd[1])
+                unfinished = sink.n - len(sink.finished)
+                self._finished["abort"] = self._finished.get("abort", 0) + unfinished
 
-    def _publish(self, req) -> None:
-        sink = self._sinks.get(req.request_id)
+    def _publish(self, delta) -> None:
+        sink = self._sinks.get(delta.group_id)
         if sink is None:
             return
-        new_ids = req.output_token_ids[sink.sent:]
-        if not new_ids and not req.is_finished:
-            return  # a prefill chunk: nothing to say yet
-        lps = req.output_logprobs[sink.sent:] if req.params.logprobs is not None else []
-        sink.sent = len(req.output_token_ids)
-        sink.text = req.output_text
-        self._generated += len(new_ids)
-        self._rate.append((time.monotonic(), len(new_ids)))
-        finish = req.finish_reason if req.is_finished else None
-        prompt_lps = None if sink.published or req.prompt_logprobs is None else list(req.prompt_logprobs)
-        sink.published = True
-        _post(sink.loop, sink.queue, Update(sink.index, req.output_text, list(new_ids), list(lps), finish,
-                                            req.error_msg, cached_tokens=req.num_cached_tokens,
-                                            prompt_logprobs=prompt_lps))
-        if req.is_finished:
-            del self._sinks[req.request_id]
-            self._finished[finish] = self._finished.get(finish, 0) + 1
-            group = self._group_of.pop(req.request_id, None)
-            siblings = self._groups.get(group)
-            if siblings is not None:
-                siblings.remove(req.request_id)
-                if not siblings:
-                    del self._groups[group]
+        self._generated += len(delta.token_ids)
+        self._rate.append((time.monotonic(), len(delta.token_ids)))
+        _post(sink.loop, sink.queue, Update(sink.base + delta.index, delta.text, delta.token_ids,
+                                            delta.logprobs or [], delta.finish_reason, delta.error,
+                                            cached_tokens=delta.num_cached_tokens,
+                                            prompt_logprobs=delta.prompt_logprobs, chat=delta.chat,
+                                            num_tool_calls=delta.num_tool_calls))
+        if delta.finished:
+            self._finished[delta.finish_reason] = self._finished.get(delta.finish_reason, 0) + 1
+            sink.finished.add(delta.index)
+            if len(sink.finished) == sink.n:
+                del self._sinks[delta.group_id]
+                self.output.release(delta.group_id)
 
     def _fail_all(self, message: str) -> None:
-        for eid, sink in list(self._sinks.items()):
+        for rid, sink in list(self._sinks.items()):
             try:
-                self.engine.abort_request(eid)
+                self.engine.abort_request(rid)
             except Exception:
-                logger.exception("abort of %s failed", eid)
-            _post(sink.loop, sink.queue, Update(sink.index, "", [], [], "error", message))
+                logger.exception("abort of %s failed", rid)
+            self.output.abort(rid)
+            for k in range(sink.n):
+                if k not in sink.finished:
+                    _post(sink.loop, sink.queue, Update(sink.base + k, "", [], [], "error", message))
         self._sinks.clear()
-        self._groups.clear()
-        self._group_of.clear()
 
     def _update_stats(self) -> None:
         now = time.monotonic()
         while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
             self._rate.popleft()
-        engine = self.engine
-        slots = engine.scheduler.state_slots
-        counters = engine.scheduler.stats
+        snap = self.engine.stats()
         self.stats = EngineStats(
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            kv_blocks_used=engine.block_manager.num_used,
-            kv_blocks_cached=getattr(engine.block_manager, "num_cached", 0),
-            kv_blocks_total=engine.block_manager.num_blocks,
-            state_slots_used=slots.num_used if slots is not None else 0,
-            state_slots_total=slots.num_slots if slots is not None else 0,
+            running=snap.running,
+            waiting=snap.waiting,
+            kv_blocks_used=snap.kv_blocks_used,
+            kv_blocks_cached=snap.kv_blocks_cached,
+            kv_blocks_total=snap.kv_blocks_total,
+            state_slots_used=snap.state_slots_used,
+            state_slots_total=snap.state_slots_total,
             tokens_per_second=sum(n for _, n in self._rate) / _RATE_WINDOW_S,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generated,
-            prefix_cache_query_tokens_total=counters.prefix_cache_query_tokens,
-            prefix_cache_hit_tokens_total=counters.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens_total=snap.counters.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens_total=snap.counters.prefix_cache_hit_tokens,
             finished_total=dict(self._finished),
         )
 
@@ -329,9 +321,9 @@ def startup_summary(engine, cfg, url: str, api_key_required: bool) -> list[str]:
     """What a deployment runs with, for the first lines of the server log."""
     fd = engine.fd_config
     load, sched = fd.load_config, fd.scheduler_config
-    blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
-    slots = engine.scheduler.state_slots
-    state = f", {slots.num_slots} state slots" if slots is not None else ""
+    snap = engine.stats()
+    blocks, block_size = snap.kv_blocks_total, snap.kv_block_size
+    state = f", {snap.state_slots_total} state slots" if snap.state_slots_total else ""
     return [
         f"model {cfg.model} ({engine.model.name()}), served as {cfg.model_name!r}",
         f"dtype {load.dtype}, backend {load.backend}, device {load.device}, tensor_parallel_size "
@@ -402,14 +394,10 @@ class OpenAIServer:
         from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
 
         self.engine = engine
-        self.limits = (limits or ServerLimits()).resolved(engine.max_model_len)
-        engine.guided_options.update(compile_timeout_s=self.limits.guided_compile_timeout_s,
-                                     compile_memory_bytes=self.limits.guided_compile_memory_mb << 20)
-        self._templates = (TemplateWorkers(timeout_s=self.limits.template_timeout_s)
-                           if self.limits.trust_request_chat_template else None)
-        # Work done for requests, for /metrics (and for tests: a refused request must add nothing here).
-        self._counts = {"tokenized_chars": 0, "templates_rendered": 0, "audio_frames_decoded": 0}
-        self._counts_lock = threading.Lock()
+        self.limits = lim = (limits or ServerLimits()).resolved(engine.max_model_len)
+        engine.guided_options.update(compile_timeout_s=lim.guided_compile_timeout_s,
+                                     compile_memory_bytes=lim.guided_compile_memory_mb << 20)
+        self._templates = TemplateWorkers(timeout_s=lim.template_timeout_s) if lim.trust_request_chat_template else None
         self._audio_pool = concurrent.futures.ThreadPoolExecutor(AUDIO_DECODE_THREADS,
                                                                  thread_name_prefix="audio-decode")
         # Requests waiting for a grammar compile worker (each waits at most guided_compile_timeout_s, then 429).
@@ -418,60 +406,30 @@ class OpenAIServer:
         parser = tool_call_parser or default_tool_parser(type(engine.model).name())
         self.chat_format = ChatFormat(engine.tokenizer, get_tool_parser(parser) if parser else None,
                                       engine.reasoning_parser, chat_template)
+        policy = InputPolicy(
+            max_prompt_chars=lim.max_prompt_chars, max_stop_strings=lim.max_stop_strings,
+            max_stop_chars=lim.max_stop_chars, max_tokens_limit=lim.max_tokens_limit, check_context=True,
+            local_media_root=os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None,
+            max_audio_seconds=lim.max_audio_seconds, max_request_audio_seconds=lim.max_request_audio_seconds,
+            trust_request_templates=lim.trust_request_chat_template, template_workers=self._templates,
+            strict_template_kwargs=True)
+        # Its counters (work done for requests) feed /metrics; a refused request must add nothing there.
+        self.processor = InputProcessor.for_engine(engine, self.chat_format, policy)
         self._token_bytes: dict[int, list[int]] = {}
         self.model_name = served_model_name
         self.model_path = model_path
         self.api_key = api_key
-        self.media_root = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
         self.loop = EngineLoop(engine, max_pending_requests, stats_interval)
         self.draining = False  # set at SIGINT/SIGTERM: new requests get 503 while in-flight ones finish
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
 
-    # ---- request → engine inputs
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._counts_lock:
-            self._counts[key] += n
-
-    def _encode(self, text: str, where: str, add_special_tokens: bool) -> list[int]:
-        """Tokenize (never on the event loop), refusing text past ``max_prompt_chars`` first."""
-        limit = self.limits.max_prompt_chars
-        if len(text) > limit:
-            raise APIError(400, f"{where} has {len(text)} characters; the limit is max_prompt_chars={limit}",
-                           param=where)
-        self._count("tokenized_chars", len(text))
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def _check_stops(self, stop) -> None:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        lim = self.limits
-        if len(stops) > lim.max_stop_strings:
-            raise APIError(400, f"'stop' has {len(stops)} strings; the limit is {lim.max_stop_strings}", param="stop")
-        total = sum(len(s) for s in stops)
-        if total > lim.max_stop_chars:
-            raise APIError(400, f"'stop' strings have {total} characters together; the limit is {lim.max_stop_chars}",
-                           param="stop")
+    # ---- request → engine request (the steps are the input processor's)
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(400, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model")
-
-    def _validate(self, ids: list[int], params, where: str) -> None:
-        if len(ids) >= self.engine.max_model_len:  # before scanning a list that may hold millions of ids
-            raise APIError(400, f"{where} has {len(ids)} tokens; max_model_len is {self.engine.max_model_len} "
-                                "(prompt + at least one generated token)", param="messages" if where == "messages"
-                           else "prompt")
-        try:
-            self.engine.validate_prompt(ids, params, where=where)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages" if where == "messages" else "prompt") from None
-        limit = self.engine.max_model_len
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
-                                f"{len(ids) + params.max_tokens} ({len(ids)} in the {where}, {params.max_tokens} "
-                                "to generate)", param="max_tokens")
 
     def _parse(self, model_cls, body: bytes, kind: str):
         """``parse_request`` after a bound on the body's JSON elements from the model's limits (413 before
@@ -509,179 +467,32 @@ class OpenAIServer:
                            "rate_limit_exceeded")
         self.loop.num_pending += num_seqs
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    def _completion_prompts(self, req: CompletionRequest) -> list:
+        """The prompts of a completion request, tokenized and checked by the model's multimodal processor
+        (completions carry no audio: a media placeholder is refused, as ``generate`` refuses it)."""
         p = req.prompt
-        if isinstance(p, str):
-            items = [p]
-        elif p and isinstance(p[0], int):
-            items = [p]
-        else:
-            items = list(p)
+        items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not items:
             raise APIError(400, "'prompt' is empty", param="prompt")
         total = sum(len(x) for x in items if isinstance(x, str))
-        if total > self.limits.max_prompt_chars:
-            raise APIError(400, f"'prompt' has {total} characters; the limit is max_prompt_chars="
-                                f"{self.limits.max_prompt_chars}", param="prompt")
-        out = [(x, self._encode(x, "prompt", True)) if isinstance(x, str) else (None, list(x)) for x in items]
-        processor = getattr(self.engine.model, "multimodal_processor", None)
-        if processor is not None:
-            # Completions carry no audio: a media placeholder in the prompt is refused, as generate() refuses it.
-            for i, (text, ids) in enumerate(out):
-                try:
-                    processor(self.tokenizer, text, ids, None)
-                except (ValueError, TypeError) as e:
-                    where = "prompt" if len(out) == 1 else f"prompt.{i}"
-                    raise APIError(400, f"{where}: {e}; /v1/completions takes no audio (use /v1/chat/completions)",
-                                   param="prompt") from None
+        limit = self.processor.policy.max_prompt_chars
+        if total > limit:
+            raise APIError(400, f"'prompt' has {total} characters; the limit is max_prompt_chars={limit}",
+                           param="prompt")
+        out = []
+        for i, x in enumerate(items):
+            text, ids = (x, None) if isinstance(x, str) else (None, x)
+            out.append(self.processor.prepare(text, ids, field="prompt",
+                                              where="prompt" if len(items) == 1 else f"prompt.{i}"))
         return out
 
-    def _audio_source(self, part, where: str):
-        """Encoded bytes or a vetted local path for one audio part; decoding is the model processor's job."""
-        if part.type == "input_audio":
-            data = part.input_audio.data
-        else:
-            url = part.audio_url.url
-            parsed = urlparse(url)
-            if parsed.scheme == "file":
-                if self.media_root is None:
-                    raise APIError(400, f"{where}: file:// audio needs the server's --allowed-local-media-path",
-                                   param=where)
-                raw = unquote(parsed.path)
-                if "\0" in raw:
-                    raise APIError(400, f"{where}: the file:// URL holds a NUL byte", param=where)
-                path = os.path.realpath(raw)
-                if os.path.commonpath([path, self.media_root]) != self.media_root:
-                    raise APIError(400, f"{where}: {path} is outside the allowed media path", param=where)
-                if not os.path.isfile(path):
-                    raise APIError(400, f"{where}: no such file {path}", param=where)
-                return path
-            if parsed.scheme != "data":
-                raise APIError(400, f"{where}: only data: and file:// audio URLs are supported (no network fetches)",
-                               param=where)
-            header, _, data = url.partition(",")
-            if not header.endswith(";base64"):
-                raise APIError(400, f"{where}: a data: audio URL must be base64 (data:<mime>;base64,...)", param=where)
-        try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise APIError(400, f"{where}: audio data is not valid base64 ({e})", param=where) from None
-
-    def _chat_audio(self, req: ChatCompletionRequest) -> list[tuple]:
-        """``(source, where)`` of each audio part, in order, after their headers are checked: each clip within
-        max_audio_seconds and all together within max_request_audio_seconds and as many decoded samples (at the
-        files' own rates and channels) as that many seconds of 48 kHz stereo. No sample is decoded here."""
-        from fastdeploy_ext.layers.audio.io import check_audio_header, read_audio_header
-
-        lim = self.limits
-        processor = getattr(self.engine.model, "multimodal_processor", None)
-        sources, seconds, samples = [], 0.0, 0
-        max_samples = int(lim.max_request_audio_seconds * 48000 * 2)
-        for i, m in enumerate(req.messages):
-            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type == "text":
-                    continue
-                where = f"messages.{i}.content.{j}"
-                if processor is None:
-                    raise APIError(400, f"{where}: the model '{self.model_name}' does not take audio input",
-                                   param=where)
-                source = self._audio_source(part, where)
-                try:
-                    header = read_audio_header(source, "audio data")
-                    check_audio_header(header, "the audio", lim.max_audio_seconds)
-                except ValueError as e:
-                    raise APIError(400, f"{where}: {e}", param=where) from None
-                seconds += header.seconds
-                samples += header.frames * header.channels
-                if seconds > lim.max_request_audio_seconds or samples > max_samples:
-                    raise APIError(400, f"{where}: the request's audio parts hold {seconds:.1f} s and {samples} "
-                                        f"samples up to here; one request may hold max_request_audio_seconds="
-                                        f"{lim.max_request_audio_seconds:g} s and {max_samples} samples", param=where)
-                sources.append((source, where))
-        return sources
-
-    def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None, audios: list | None = None):
-        """Render the chat template (it turns audio parts into the model's placeholders) and run the model's
-        multimodal processor on the decoded ``audios``, which expands the placeholders.
-        Returns ``(text, ids, multimodal_inputs)``."""
-        processor = getattr(self.engine.model, "multimodal_processor", None)
-        messages, audios = [], list(audios or [])
+    def _messages(self, req: ChatCompletionRequest) -> list[dict]:
+        """The request's messages as OpenAI-shaped dicts (what the input processor reads)."""
+        out = []
         for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                content = [part.model_dump() for part in content]
-            messages.append(m.model_dump(exclude_none=True) | {"content": content})
-        text = self._render(req, messages, tools)
-        ids = self._encode(text, "messages", False)
-        if processor is None:
-            return text, ids, None
-        try:
-            return processor(self.tokenizer, text, ids, {"audio": audios} if audios else None)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"audio input: {e}", param="messages") from None
-
-    def _decode_audio(self, source, where: str):
-        """16 kHz waveform of one audio part: refused by its header past max_audio_seconds or outside
-        8-192 kHz before any sample is decoded."""
-        from fastdeploy_ext.layers.audio.io import load_audio
-
-        try:
-            return load_audio(source, max_seconds=self.limits.max_audio_seconds,
-                              on_frames=lambda n: self._count("audio_frames_decoded", n))
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            raise APIError(400, f"{where}: {e}", param=where) from None
-        except MemoryError:
-            raise APIError(400, f"{where}: the audio is too large to decode", param=where) from None
-
-    def _render(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt text: the served template in-process, or a client template (top-level ``chat_template``
-        or ``chat_template_kwargs.chat_template``, only with --trust-request-chat-template) in a worker
-        process killed after template_timeout_s. Both render in the capped sandbox, bounded by
-        max_prompt_chars, from the messages adapted to the template's shape (``chat_adapter``) and ``tools``."""
-        kwargs = dict(req.chat_template_kwargs or {})
-        client = [(name, value) for name, value in (("chat_template", req.chat_template),
-                                                    ("chat_template_kwargs.chat_template", kwargs.pop("chat_template", None)))
-                  if value is not None]
-        if client and self._templates is None:
-            raise APIError(400, f"'{client[0][0]}': this server does not run client-supplied chat templates "
-                                "(start it with --trust-request-chat-template)", param=client[0][0])
-        if len(client) > 1:
-            raise APIError(400, "give 'chat_template' or 'chat_template_kwargs.chat_template', not both",
-                           param="chat_template")
-        field, template = client[0] if client else ("messages", None)
-        if template is not None and not isinstance(template, str):
-            raise APIError(400, f"'{field}' must be a string", param=field)
-        try:
-            messages = self.chat_format.adapt(messages)
-            source, context = self.tokenizer.chat_template_context(
-                messages, req.add_generation_prompt, template or self.chat_format.chat_template,
-                **({"tools": tools} if tools else {}))
-            allowed = undeclared_variables(source) - RESERVED_VARIABLES
-        except Exception as e:
-            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
-        unknown = sorted(set(kwargs) - allowed)
-        if unknown:
-            raise APIError(400, f"'chat_template_kwargs' key {unknown[0]!r} is not a variable of the chat template "
-                                f"(allowed: {sorted(allowed)})", param="chat_template_kwargs")
-        context.update(kwargs)
-        if tools:
-            kwargs["tools"] = tools
-        limit = self.limits.max_prompt_chars
-        self._count("templates_rendered")
-        try:
-            if template is None:
-                return self.tokenizer.apply_chat_template(
-                    messages, req.add_generation_prompt, tokenize=False, chat_template=self.chat_format.chat_template,
-                    max_chars=limit, **kwargs)
-            return self._templates.render(source, context, limit)
-        except TemplateBusy as e:
-            raise APIError(429, str(e), "rate_limit_exceeded") from None
-        except TemplateTimeout as e:
-            raise APIError(400, str(e), param=field) from None
-        except (TemplateLimitError, MemoryError, RecursionError) as e:
-            raise APIError(400, f"chat template refused: {e}", param=field) from None
-        except Exception as e:
-            raise APIError(400, f"chat template failed: {type(e).__name__}: {e}", param=field) from None
+            content = [part.model_dump() for part in m.content] if isinstance(m.content, list) else m.content
+            out.append(m.model_dump(exclude_none=True) | {"content": content})
+        return out
 
     # ---- engine outputs → OpenAI responses
 
@@ -761,31 +572,25 @@ class OpenAIServer:
             if update is not None:
                 yield update
 
-    def _engine_params(self, req, kind: str, max_tokens, k, prompts, tools):
-        """Sampling params with the request's logit bias, prompt logprobs and grammar; the grammar field."""
+    def _engine_params(self, req, kind: str, max_tokens, k, tools, tool_choice):
+        """Sampling params with the request's logit bias, prompt logprobs and grammar (``tool_choice``'s, for a
+        chat request that forces calls); the request field the grammar came from."""
         params = sampling_params_of(req, self.engine.default_sampling_params(), max_tokens, k)
         changes = {"logit_bias": logit_bias_of(req, self.engine.vocab_size)}
         if kind == "completion" and req.echo and k is not None:
             changes["prompt_logprobs"] = max(k, req.prompt_logprobs or 0)
-        guided, field = guided_params_of(req)
-        if kind == "chat":
-            try:
-                forced = self.chat_format.tool_constraint(tools, _dump(req.tool_choice))
-            except ValueError as e:
-                raise APIError(400, str(e), param="tool_choice") from None
-            if forced is not None:
-                if guided is not None:
-                    raise APIError(400, f"'{field}' cannot be combined with tool_choice 'required' or a named "
-                                        "function", param=field)
-                guided, field = forced, "tool_choice"
-        changes["guided_decoding"] = guided
+        changes["guided_decoding"], field = guided_params_of(req)
         try:
-            return params.clone(**changes), field
+            params = params.clone(**changes)
         except ValueError as e:
             raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+        if kind == "chat":
+            return self.processor.with_tools(params, tools, tool_choice, field)
+        return params, field
 
     async def run(self, http_request, kind: str, body: bytes):
         """Handle one completion (``kind='completion'``) or chat (``'chat'``) request."""
+        proc = self.processor
         tools, tool_choice = None, None
         if kind == "completion":
             req = await asyncio.to_thread(self._parse, CompletionRequest, body, kind)
@@ -796,11 +601,11 @@ class OpenAIServer:
                 raise APIError(400, "'max_tokens': 0 generates nothing; it needs 'echo' or 'prompt_logprobs'",
                                param="max_tokens")
             k = req.logprobs
-            self._check_stops(req.stop)
-            max_tokens = self._cap_max_tokens(req.max_tokens, "max_tokens", default=16)
+            proc.check_stops(req.stop)
+            max_tokens = proc.cap_max_tokens(req.max_tokens, "max_tokens", default=16)
             # Admitted (as far as the count goes) before any prompt is tokenized or checked.
             self._check_capacity(_prompt_count(req.prompt) * req.n, "prompt")
-            prompts = [(text, ids, None) for text, ids in await asyncio.to_thread(self._completion_prompts, req)]
+            prompts = await asyncio.to_thread(self._completion_prompts, req)
             where = "prompt"
         else:
             req = await asyncio.to_thread(self._parse, ChatCompletionRequest, body, kind)
@@ -811,52 +616,48 @@ class OpenAIServer:
             k = (req.top_logprobs or 0) if req.logprobs else None
             tools = tools_of(req)
             tool_choice = _dump(req.tool_choice) if req.tool_choice is not None else ("auto" if tools else None)
-            if tools and tool_choice != "none" and self.chat_format.tool_parser is None:
-                raise APIError(400, "tools: this model has no tool-call parser; serve it with --tool-call-parser",
-                               param="tools")
-            self._check_stops(req.stop)
-            max_tokens = self._cap_max_tokens(
+            proc.check_stops(req.stop)
+            max_tokens = proc.cap_max_tokens(
                 max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
             # Audio: headers and the request's audio budget first, then admission, then decoding in the server's
             # own decode pool (a flood of audio cannot take the threads that parse and tokenize other requests).
-            sources = await asyncio.to_thread(self._chat_audio, req)
+            messages = self._messages(req)
+            parts = await asyncio.to_thread(proc.audio_parts, messages)
             self._check_capacity(req.n, "messages")
-            audios = [await asyncio.get_running_loop().run_in_executor(self._audio_pool, self._decode_audio, source,
-                                                                          where) for source, where in sources]
-            prompts = [await asyncio.to_thread(self._chat_prompt, req, tools, audios)]
+            audio = [await asyncio.get_running_loop().run_in_executor(self._audio_pool, proc.decode_audio, part)
+                     for part in parts]
+            template = ChatTemplate(req.chat_template_kwargs, req.chat_template, req.add_generation_prompt)
+            prompts = [await asyncio.to_thread(proc.prepare_chat, messages, tools, template, audio)]
             where = "messages"
             if max_tokens is None and "max_new_tokens" in self.engine.generation_config:
                 # generation_config's default, within what the context leaves
-                room = self.engine.max_model_len - len(prompts[0][1])
+                room = self.engine.max_model_len - len(prompts[0].token_ids)
                 max_tokens = max(1, min(int(self.engine.generation_config["max_new_tokens"]), room))
-        params, guided_field = self._engine_params(req, kind, max_tokens, k, prompts, tools)
-        for text, ids, _ in prompts:
-            await asyncio.to_thread(self._validate, ids, params, where)
+        params, guided_field = self._engine_params(req, kind, max_tokens, k, tools, tool_choice)
+        requests = [await asyncio.to_thread(proc.build, inputs, params, req.cache_salt, where, guided_field, False)
+                    for inputs in prompts]
         if params.guided_decoding is not None:
-            try:
-                # Off the event loop in a pool of its own (a compile may wait out its budget), bounded by
-                # GuidedDecoder's compile worker; the compiled grammar is cached, so the engine thread's own
-                # compile is a copy.
-                for _, ids, _ in prompts:
-                    await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.compile_guided,
-                                                                     params, ids)
-            except GrammarError as e:
-                raise grammar_error(e, guided_field) from None
+            # In a pool of its own: a compile may wait out its budget for GuidedDecoder's compile worker.
+            for request in requests:
+                request.matcher = await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_pool, proc.compile, params, request.reasoning_open, guided_field)
 
         n = params.n
-        num_choices = n * len(prompts)
+        num_choices = n * len(requests)
         self._admit(num_choices)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         for who in ("user", "safety_identifier"):
             if getattr(req, who, None):
                 logger.info("request %s: %s=%r", rid, who, getattr(req, who))
         q: asyncio.Queue = asyncio.Queue()
-        for i, (text, ids, mm) in enumerate(prompts):
-            self.loop.submit(f"{rid}-{i}", text, ids, params, mm, q, i * n, req.cache_salt)
-        sub_ids = [f"{rid}-{i}" for i in range(len(prompts))]
-        state = _ChoiceState(num_choices, params.stop, sum(len(ids) for _, ids, _ in prompts), n)
-        ctx = _RequestContext(req, kind, k, prompts, n, tools, tool_choice,
-                              [self.engine.reasoning_open(ids) for _, ids, _ in prompts], guided_field)
+        ctx = _RequestContext(req, kind, k, [(r.prompt, r.prompt_token_ids) for r in requests], n, tools, tool_choice,
+                              [r.reasoning_open for r in requests], guided_field)
+        for i, request in enumerate(requests):
+            # A streamed chat runs the reasoning and tool-call stream parsers in the output processor.
+            chat = (self.chat_format, ctx.parse_tools, request.reasoning_open) if kind == "chat" and req.stream else None
+            self.loop.submit(f"{rid}-{i}", request, q, i * n, chat=chat)
+        sub_ids = [f"{rid}-{i}" for i in range(len(requests))]
+        state = _ChoiceState(num_choices, sum(len(r.prompt_token_ids) for r in requests), n)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             gen = self._stream(http_request, q, rid, ctx, state, include_usage=include_usage, sub_ids=sub_ids)
@@ -878,18 +679,6 @@ class OpenAIServer:
             raise generation_error(errors[0], guided_field)
         return JSONResponse(self._full_response(rid, ctx, state))
 
-    def _cap_max_tokens(self, max_tokens: int | None, field: str, default: int | None = None) -> int | None:
-        """``max_tokens`` checked against max_tokens_limit; unset, the request's default (OpenAI's 16 for
-        completions, none for chat) within that limit."""
-        cap = self.limits.max_tokens_limit
-        if max_tokens is None:
-            return default if cap is None else min(cap, default or cap)
-        if cap is None:
-            return max_tokens
-        if max_tokens > cap:
-            raise APIError(400, f"'{field}' is {max_tokens}; this server allows at most {cap}", param=field)
-        return max_tokens
-
     def _release(self, state: "_ChoiceState", sub_ids: list[str]) -> None:
         if not state.done:
             for sid in sub_ids:
@@ -898,7 +687,7 @@ class OpenAIServer:
 
     def _echo(self, ctx: "_RequestContext", state: "_ChoiceState", i: int) -> tuple[str, dict | None]:
         """Prompt text and (with ``logprobs``) prompt logprobs of choice ``i`` for ``echo``."""
-        text, ids, _ = ctx.prompts[i // ctx.n]
+        text, ids = ctx.prompts[i // ctx.n]
         text = text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
         lp = None
         if ctx.k is not None:
@@ -909,7 +698,7 @@ class OpenAIServer:
     def _extras(self, ctx: "_RequestContext", state: "_ChoiceState", i: int) -> dict:
         """vLLM's per-choice extras: ``prompt_logprobs`` and, with ``return_token_ids``, the token ids."""
         req, out = ctx.req, {}
-        _, ids, _ = ctx.prompts[i // ctx.n]
+        _, ids = ctx.prompts[i // ctx.n]
         if req.prompt_logprobs is not None:
             out["prompt_logprobs"] = self._prompt_logprobs(ids, state.prompt_lps[i] or [], req.prompt_logprobs)
         if req.return_token_ids:
@@ -917,12 +706,6 @@ class OpenAIServer:
                 out["prompt_token_ids"] = list(ids)
             out["token_ids"] = list(state.tokens[i])
         return out
-
-    def _finish_reason(self, ctx: "_RequestContext", reason: str | None, has_calls: bool) -> str | None:
-        # OpenAI: "tool_calls" when the model called tools, except for a named tool_choice ("stop").
-        if has_calls and reason == "stop" and not isinstance(ctx.tool_choice, dict):
-            return "tool_calls"
-        return reason
 
     def _full_response(self, rid: str, ctx: "_RequestContext", state: "_ChoiceState") -> dict:
         choices, kind, k, as_ids = [], ctx.kind, ctx.k, ctx.req.return_tokens_as_token_ids
@@ -948,7 +731,7 @@ class OpenAIServer:
                     message["tool_calls"] = [{"id": c.id, "type": "function",
                                               "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
                 choices.append({"index": i, "message": message, "logprobs": lp,
-                                "finish_reason": self._finish_reason(ctx, reason, bool(calls)),
+                                "finish_reason": chat_finish_reason(reason, bool(calls), ctx.tool_choice),
                                 **self._extras(ctx, state, i)})
         response = {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
                     "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -962,8 +745,6 @@ class OpenAIServer:
         kind, k, as_ids = ctx.kind, ctx.k, ctx.req.return_tokens_as_token_ids
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         created = int(time.time())
-        chat_streams = ([self.chat_format.streaming(ctx.parse_tools, ctx.opened[i // ctx.n])
-                         for i in range(state.num_choices)] if kind == "chat" else [])
 
         def event(choices, usage=None) -> str:
             chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -1003,10 +784,10 @@ class OpenAIServer:
                           else self._chat_logprobs(new_ids, lps, k, as_ids))
                 reason = upd.finish_reason
                 if kind == "chat":
-                    chat_delta = chat_streams[i].feed(delta, final=reason is not None)
+                    chat_delta = upd.chat or {}
                     if not chat_delta and lp is None and reason is None and not extras:
                         continue
-                    reason = self._finish_reason(ctx, reason, chat_streams[i].num_calls > 0)
+                    reason = chat_finish_reason(reason, upd.num_tool_calls > 0, ctx.tool_choice)
                     choice = {"index": i, "delta": chat_delta, "logprobs": lp, "finish_reason": reason, **extras}
                 else:
                     if not delta and lp is None and reason is None and not extras:
@@ -1046,6 +827,10 @@ class OpenAIServer:
             headers = {"Retry-After": str(_RETRY_AFTER_S)} if exc.status == 429 else None
             return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+        @app.exception_handler(RequestError)
+        async def request_error(request: Request, exc: RequestError):
+            return await api_error(request, APIError(exc.status, exc.message, exc.kind, param=exc.field))
+
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException):
             if exc.status_code == 404:
@@ -1070,7 +855,7 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health():
-            failure = self.loop.failure or getattr(self.engine.runner, "failure", None)
+            failure = self.loop.failure or self.engine.health()
             if failure is not None:
                 return JSONResponse({"status": f"engine failed: {failure}"}, status_code=503)
             if not self.loop.alive:
@@ -1079,8 +864,7 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
-            with self._counts_lock:
-                counts = dict(self._counts)
+            counts = self.processor.counts()
             killed = self._templates.num_killed if self._templates is not None else 0
             counters = {
                 "fastdeploy_ext_prompt_chars_tokenized_total": ("Prompt characters handed to the tokenizer.",
@@ -1207,11 +991,10 @@ class _RequestContext:
 
 
 class _ChoiceState:
-    """Per-choice accumulation for one HTTP request; :meth:`absorb` returns the streamable text delta."""
+    """Per-choice accumulation of the updates of one HTTP request; :meth:`absorb` returns the text delta."""
 
-    def __init__(self, num_choices: int, stops: list[str], prompt_tokens: int, n: int = 1):
+    def __init__(self, num_choices: int, prompt_tokens: int, n: int = 1):
         self.num_choices = num_choices
-        self.stops = stops
         self.prompt_tokens = prompt_tokens
         self.n = n
         self.cached = [0] * num_choices
@@ -1219,11 +1002,10 @@ class _ChoiceState:
         self.prompt_lps: list[list | None] = [None] * num_choices
         self.tokens = [[] for _ in range(num_choices)]
         self.lps = [[] for _ in range(num_choices)]
-        self.texts = [""] * num_choices  # text already released to the client
+        self.texts = [""] * num_choices
         self.reasons: list[str | None] = [None] * num_choices
         self.errors: list[str | None] = [None] * num_choices
         self.num_finished = 0
-        self._matchers = [StopMatcher(stops) for _ in range(num_choices)]
 
     @property
     def done(self) -> bool:
@@ -1241,17 +1023,8 @@ class _ChoiceState:
             self.reasons[i] = upd.finish_reason
             self.errors[i] = upd.error
             self.num_finished += 1
-            end = len(upd.text)
-        else:
-            matcher = self._matchers[i]
-            matcher.feed(upd.text[matcher.fed:])
-            end = len(upd.text) - matcher.hold
-        sent = len(self.texts[i])
-        if end <= sent:
-            return ""
-        delta = upd.text[sent:end]
-        self.texts[i] += delta
-        return delta
+        self.texts[i] += upd.text
+        return upd.text
 
     def usage(self) -> dict:
         completion = sum(len(t) for t in self.tokens)

@@ -256,8 +256,10 @@ def test_non_streaming_client_that_leaves_is_aborted(inprocess_server):
         httpx.post(url + "/v1/completions", json=body, headers={"authorization": "Bearer k"}, timeout=1.0)
     # 4000 tokens take far longer than this; the server must notice the closed connection while the
     # request is still producing a token every step.
-    assert wait_for(lambda: engine.block_manager.num_used == 0 and not engine.has_unfinished_requests(), timeout=10)
-    assert app_server.loop._finished.get("abort") == 1 and not app_server.loop._groups
+    assert wait_for(lambda: engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests(), timeout=10)
+    loop = app_server.loop
+    assert wait_for(lambda: loop.stats.finished_total.get("abort") == 1)
+    assert loop.num_requests == 0 and len(loop.output) == 0
 
 
 def test_dead_rank_marks_the_server_unhealthy(inprocess_server):
@@ -267,7 +269,8 @@ def test_dead_rank_marks_the_server_unhealthy(inprocess_server):
     ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2},
                     headers={"authorization": "Bearer k"}, timeout=30)
     assert ok.status_code == 200 and httpx.get(url + "/health").status_code == 200
-    assert wait_for(lambda: not app_server.loop._groups)  # finished requests leave no bookkeeping behind
+    # finished requests leave no bookkeeping behind
+    assert wait_for(lambda: app_server.loop.num_requests == 0 and len(app_server.loop.output) == 0)
 
     def dead(seqs):
         raise RankFailure("tensor-parallel rank 1 failed during a model step: exited with code -9")

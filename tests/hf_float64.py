@@ -169,13 +169,13 @@ def load_qwen2(path: str, dtype="float64"):
 
 
 def load_minimax(path: str, dtype="float64"):
-    """The MiniMax oracle of ``fastdeploy_ext.entrypoints.align`` (partial RoPE patched in), in ``dtype``; the
+    """The MiniMax oracle of ``fastdeploy_ext.models.minimax_m1.align`` (partial RoPE patched in), in ``dtype``; the
     lightning decay buffers checked to be in it."""
     import torch
     import transformers
     from transformers.models.minimax import modeling_minimax
 
-    from fastdeploy_ext.entrypoints.align import _partial_apply_rotary_pos_emb, hf_minimax_config
+    from fastdeploy_ext.models.minimax_m1.align import _partial_apply_rotary_pos_emb, hf_minimax_config
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = hf_minimax_config(json.load(f))
@@ -183,7 +183,7 @@ def load_minimax(path: str, dtype="float64"):
     model = transformers.MiniMaxForCausalLM.from_pretrained(path, config=cfg, dtype=td,
                                                             attn_implementation="eager").eval()
     r, theta = cfg.oracle_rotary_dim, cfg.rope_parameters["rope_theta"]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))  # as align.load_minimax_oracle
+    inv_freq = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))  # as load_minimax_oracle
     rope = model.model.rotary_emb
     rope.inv_freq = inv_freq
     rope.original_inv_freq = inv_freq.clone()
@@ -223,12 +223,12 @@ def _float64_lightning_decays(model, cfg) -> None:
 
 
 class MiDashengLMFloat64Oracle:
-    """The composite MiDashengLM oracle (``align.MiDashengLMOracle``: dasheng encoder + torch projector + HF Qwen2)
+    """The composite MiDashengLM oracle (``models.midashenglm.align.MiDashengLMOracle``: dasheng encoder + torch projector + HF Qwen2)
     in float64, with the log-mel frontend taken from librosa in float64 (spec midashenglm.md §10: STFT with reflect
     padding, HTK mel without norm built in float64, ``power_to_db(top_db=120)`` per clip) instead of the package's frontend."""
 
     def __init__(self, model_dir: str):
-        from fastdeploy_ext.entrypoints.align import MiDashengLMOracle
+        from fastdeploy_ext.models.midashenglm.align import MiDashengLMOracle
 
         base = MiDashengLMOracle(model_dir)
         self.encoder = base.encoder.double()
@@ -251,7 +251,7 @@ class MiDashengLMFloat64Oracle:
     def audio_rows(self, wave: np.ndarray):
         import torch
 
-        from fastdeploy_ext.entrypoints.align import _expected_audio_tokens
+        from fastdeploy_ext.models.midashenglm.align import _expected_audio_tokens
 
         with torch.no_grad():
             wave = np.pad(wave, (0, max(0, 3200 - wave.shape[0])))
@@ -276,15 +276,17 @@ class MiDashengLMFloat64Oracle:
 
 def text_oracle(model_dir: str, dtype: str):
     """``ids -> log-softmax rows [len(ids), V]`` of the checkpoint's HF oracle: in float32 the project's usual one
-    (``align.load_qwen2_oracle`` / ``align.load_minimax_oracle``, fp32 log-softmax), in float64 the patched float64
+    (``load_qwen2_oracle`` / ``load_minimax_oracle`` of the model packages, fp32 log-softmax), in float64 the patched float64
     model under :func:`hf_float64`."""
     from fastdeploy_ext.entrypoints import align
+    from fastdeploy_ext.models.minimax_m1.align import load_minimax_oracle
+    from fastdeploy_ext.models.qwen2.align import load_qwen2_oracle
 
     with open(os.path.join(model_dir, "config.json")) as f:
         arch = json.load(f)["architectures"][0]
     qwen = arch == "Qwen2ForCausalLM"
     if dtype == "float32":
-        model = align.load_qwen2_oracle(model_dir) if qwen else align.load_minimax_oracle(model_dir)
+        model = load_qwen2_oracle(model_dir) if qwen else load_minimax_oracle(model_dir)
         return lambda ids: align.oracle_logprobs(model, ids)
     if dtype != "float64":
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")

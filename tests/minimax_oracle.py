@@ -1,12 +1,12 @@
-"""The MiniMax oracle and per-layer statistics live in the package (``fastdeploy_ext.entrypoints.align``, shared
-with ``fastdeploy-ext align``); this module re-exports them for the tests and benchmarks that import them here."""
+"""The MiniMax oracle (``fastdeploy_ext.models.minimax_m1.align``) and the per-layer statistics
+(``fastdeploy_ext.entrypoints.align``) live in the package, shared with ``fastdeploy-ext align``; this module
+re-exports them for the tests and benchmarks that import them here."""
 
 from fastdeploy_ext.entrypoints.align import (  # noqa: F401
     engine_hidden_states,
     format_statistics,
-    hf_minimax_config,
     layer_statistics,
-    load_minimax_oracle,
     oracle_hidden_states,
     oracle_logprobs,
 )
+from fastdeploy_ext.models.minimax_m1.align import hf_minimax_config, load_minimax_oracle  # noqa: F401

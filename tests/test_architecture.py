@@ -476,6 +476,57 @@ def test_engine_internals_checker_sees_what_it_should(tmp_path):
                                                     "fastdeploy_ext/entrypoints/openai/loop.py:3 .runner"]
 
 
+# ---------------------------------------------------------------- one place per model
+
+# The architectures the package serves; a model package declares its own through its spec module's
+# ``architecture=`` fields, which are added to these.
+KNOWN_ARCHITECTURES = ("Qwen2ForCausalLM", "MiniMaxM1ForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxForCausalLM",
+                       "MiDashengLMModel")
+
+
+def declared_architectures(root: str) -> set[str]:
+    """``architecture="..."`` keyword values in ``models/<package>/spec.py`` files (read, not imported)."""
+    found = set()
+    for name, path in modules(root).items():
+        parts = name.split(".")
+        if parts[1:2] == ["models"] and len(parts) == 4 and parts[3] == "spec":
+            for node in ast.walk(parse(path)):
+                if isinstance(node, ast.keyword) and node.arg == "architecture" and isinstance(node.value, ast.Constant):
+                    found.add(node.value.value)
+    return found
+
+
+def architecture_mentions(root: str) -> list[str]:
+    """``path:line name`` of every architecture name in the package outside the model packages
+    (``models/<package>/``): shared code reads a model's parser, adapter, tables and hooks from the registry."""
+    names = sorted(set(KNOWN_ARCHITECTURES) | declared_architectures(root), key=len, reverse=True)
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    models_dir = os.path.join(root, "models")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        if os.path.dirname(dirpath) == models_dir:
+            dirnames[:] = []  # a model's own package
+            continue
+        for fn in sorted(filenames):
+            path = os.path.join(dirpath, fn)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    lines = f.read().splitlines()
+            except UnicodeDecodeError:
+                continue
+            found += [f"{rel(path, root)}:{i} {m}" for i, line in enumerate(lines, 1) for m in pattern.findall(line)]
+    return found
+
+
+def test_architecture_names_only_in_their_model_package():
+    root = package_dir()
+    found = architecture_mentions(root)
+    assert not found, ("architecture names outside their model package (read them from models/registry.py "
+                       "instead):\n  " + "\n  ".join(found))
+    assert set(KNOWN_ARCHITECTURES) <= declared_architectures(root), "a served architecture has no spec"
+
+
 if __name__ == "__main__":  # pragma: no cover - a quick report
     r = package_dir()
     print("\n".join(backend_branches(r) + layering_violations(r)))

@@ -20,9 +20,17 @@ from __future__ import annotations
 import json
 import logging
 
+from fastdeploy_ext.models.registry import find_spec
+
 logger = logging.getLogger(__name__)
 
 ADAPTERS = ("hf", "minimax_m1")
+
+
+def default_chat_adapter(architecture: str) -> str:
+    """The adapter a checkpoint's registry spec names (``hf`` for an architecture no model declares)."""
+    spec = find_spec(architecture)
+    return "hf" if spec is None else spec.chat_adapter
 
 
 def _text(content, where: str) -> str:
@@ -115,14 +123,18 @@ class ChatFormat:
     """A served model's chat conventions: its template (or ``chat_template``), the message adapter, the
     tool-call parser and the reasoning parser. Shared by the server and :meth:`LLM.chat`.
 
-    The adapter follows the tool-call parser's family (``minimax_m1`` -> the M1 adapter, else ``hf``)."""
+    ``adapter`` is the served model's (:func:`default_chat_adapter`): it follows the chat template, whatever
+    tool-call parser the deployment picks."""
 
-    def __init__(self, tokenizer, tool_parser=None, reasoning_parser=None, chat_template: str | None = None):
+    def __init__(self, tokenizer, tool_parser=None, reasoning_parser=None, chat_template: str | None = None,
+                 adapter: str = "hf"):
+        if adapter not in ADAPTERS:
+            raise ValueError(f"unknown chat adapter {adapter!r}; available: {', '.join(ADAPTERS)}")
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.chat_template = chat_template
-        self.adapter = "minimax_m1" if tool_parser is not None and tool_parser.name == "minimax_m1" else "hf"
+        self.adapter = adapter
 
     def adapt(self, messages: list[dict]) -> list[dict]:
         """``messages`` (OpenAI shape) in the shape the chat template reads."""

@@ -26,7 +26,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs):
-        from fastdeploy_ext.engine.chat_adapter import ChatFormat
+        from fastdeploy_ext.engine.chat_adapter import ChatFormat, default_chat_adapter
         from fastdeploy_ext.engine.reasoning_parsers import resolve_reasoning_parser
         from fastdeploy_ext.engine.tool_parsers import default_tool_parser, get_tool_parser
 
@@ -34,9 +34,11 @@ class LLM:
         resolve_reasoning_parser(engine_args.reasoning_parser, "")  # a misspelt name fails before the weights load
         self.llm_engine = LLMEngine(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
         self.tokenizer = self.llm_engine.tokenizer
-        parser = front.tool_call_parser or default_tool_parser(type(self.llm_engine.model).name())
+        architecture = type(self.llm_engine.model).name()
+        parser = front.tool_call_parser or default_tool_parser(architecture)
         self.chat_format = ChatFormat(self.tokenizer, get_tool_parser(parser) if parser else None,
-                                      self.llm_engine.reasoning_parser, front.chat_template)
+                                      self.llm_engine.reasoning_parser, front.chat_template,
+                                      default_chat_adapter(architecture))
         self._next_id = 0
         self._finished: dict[str, RequestOutput] = {}
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import re
 
+from fastdeploy_ext.models.registry import find_spec
+
 _WS = re.compile(r"\s+")
 _NONE = ("none", "")
-# The reasoning parser a checkpoint's family uses unless told otherwise ("auto").
-_BY_ARCHITECTURE = {"MiniMaxM1ForCausalLM": "minimax_m1"}
 
 
 def _held_prefix(text: str, tags) -> int:
@@ -186,8 +186,9 @@ def reasoning_parser_names() -> list[str]:
 
 
 def default_reasoning_parser(architecture: str) -> str | None:
-    """The reasoning parser of a checkpoint's family (MiniMax-M1 always thinks), or None."""
-    return _BY_ARCHITECTURE.get(architecture)
+    """The reasoning parser a checkpoint's registry spec names (used for ``auto``), or None."""
+    spec = find_spec(architecture)
+    return None if spec is None else spec.reasoning_parser
 
 
 def resolve_reasoning_parser(name: str | None, architecture: str) -> str | None:

@@ -90,12 +90,13 @@ def _print_outputs(outputs) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from fastdeploy_ext.tiny import tiny_checkpoint_arch
+    from fastdeploy_ext.tiny import demo_architecture, tiny_checkpoint_arch
 
     out_dir = args.out
-    if args.force or tiny_checkpoint_arch(out_dir) != "Qwen2ForCausalLM":
-        _write_tiny_into("Qwen2ForCausalLM", out_dir, args.force)
-        print(f"wrote a tiny random Qwen2 checkpoint to {out_dir}")
+    arch = demo_architecture()
+    if args.force or tiny_checkpoint_arch(out_dir) != arch:
+        _write_tiny_into(arch, out_dir, args.force)
+        print(f"wrote a tiny random {arch} checkpoint to {out_dir}")
     from fastdeploy_ext import LLM, SamplingParams
 
     llm = LLM(model=out_dir, max_model_len=1024, max_num_seqs=8)
@@ -524,10 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Teacher-force one prompt through this implementation and the reference (CPU, fp32) and print,\n"
         "per row (embed, each decoder layer's output, final norm): mean and std of our hidden state, mean and max\n"
         "|ours - ref|, rel err = ||ours - ref|| / ||ref||, then the first row whose rel err exceeds --threshold.\n\n"
-        "References: Qwen2 -> transformers Qwen2ForCausalLM; MiniMax-M1 / MiniMax-Text-01 / HF-native MiniMax ->\n"
-        "transformers MiniMaxForCausalLM with its RoPE patched to MiniMax's partial rotation (transformers rotates\n"
-        "the whole head; unpatched it would blame every correct full-attention layer); MiDashengLM -> the dasheng\n"
-        "encoder + the projector in torch + transformers Qwen2.\n\n"
+        "References (each model declares its own): Qwen2 and MiniMax -> the transformers class of the same\n"
+        "architecture, MiniMax's RoPE patched to its partial rotation (transformers rotates the whole head;\n"
+        "unpatched it would blame every correct full-attention layer); MiDashengLM -> the dasheng encoder + the\n"
+        "projector in torch + transformers Qwen2.\n\n"
         'Needs the align extra: pip install -e ".[align]".\n'
         "Exit status: 0 no diverging layer, 1 a layer diverges, 2 missing dependency or bad input.")
     a.add_argument("--model", required=True, metavar="DIR", help="Checkpoint directory (our side, and the "

@@ -36,7 +36,7 @@ from fastdeploy_ext.engine.processor import ChatTemplate, EngineRequest, InputPo
 from fastdeploy_ext.engine.output_processor import OutputProcessor, chat_finish_reason
 from fastdeploy_ext.entrypoints.limits import (RequestBodyGuard, ServerLimits, guarded_http_protocol,
                                               install_repeat_filter, json_elements, max_json_elements)
-from fastdeploy_ext.engine.chat_adapter import ChatFormat
+from fastdeploy_ext.engine.chat_adapter import ChatFormat, default_chat_adapter
 from fastdeploy_ext.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -403,9 +403,10 @@ class OpenAIServer:
         # Requests waiting for a grammar compile worker (each waits at most guided_compile_timeout_s, then 429).
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="grammar-wait")
         self.tokenizer = engine.tokenizer
-        parser = tool_call_parser or default_tool_parser(type(engine.model).name())
+        architecture = type(engine.model).name()
+        parser = tool_call_parser or default_tool_parser(architecture)
         self.chat_format = ChatFormat(engine.tokenizer, get_tool_parser(parser) if parser else None,
-                                      engine.reasoning_parser, chat_template)
+                                      engine.reasoning_parser, chat_template, default_chat_adapter(architecture))
         policy = InputPolicy(
             max_prompt_chars=lim.max_prompt_chars, max_stop_strings=lim.max_stop_strings,
             max_stop_chars=lim.max_stop_chars, max_tokens_limit=lim.max_tokens_limit, check_context=True,

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from fastdeploy_ext.config.base import ConfigError, divide, read_json
 from fastdeploy_ext.entrypoints.deploy_config import DeployConfig
-from fastdeploy_ext.model_loader.shapes import _SHAPES, ModelShape, Tensor
+from fastdeploy_ext.model_loader.shapes import ModelShape, Tensor
+from fastdeploy_ext.models.registry import checkpoint_shape, known_architectures
 from fastdeploy_ext.ops.paged_attention.configs import decode_workspace_bytes
 from fastdeploy_ext.ops.paged_attention.selection import KERNELS_ENV, select_attention_impl
 from fastdeploy_ext.quantization import check_weight_only_gpu, resolve_quant_config
@@ -62,11 +63,11 @@ def _checkpoint_shapes(model_dir: str) -> dict[str, tuple] | None:
 def model_shape(model_dir: str) -> ModelShape:
     """The model's tensors with verified shapes (see the module docstring for the sources)."""
     raw = read_json(os.path.join(model_dir, "config.json"), "config.json")
-    archs = raw.get("architectures") or ["?"]
-    if archs[0] not in _SHAPES:
+    shape = checkpoint_shape(raw)
+    if shape is None:
+        archs = raw.get("architectures") or ["?"]
         raise ConfigError(f"{model_dir}/config.json: the planner does not know architecture {archs[0]!r}; "
-                          f"known: {', '.join(sorted(_SHAPES))}")
-    shape = _SHAPES[archs[0]](raw)
+                          f"known: {', '.join(known_architectures())}")
     expected = {t.name: t.shape for t in shape.tensors}
     on_disk = _checkpoint_shapes(model_dir)
     index_path = os.path.join(model_dir, "model.safetensors.index.json")

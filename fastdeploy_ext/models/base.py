@@ -67,33 +67,49 @@ class ModelForCausalLM(nn.Layer):
     selects_output_rows = False
 
 
-def load_weights_by_table(model: nn.Layer, weights: Iterable, stacked_params_mapping: list,
-                          ignore: tuple = (), skipped_params: tuple = ()) -> set:
-    """Route every checkpoint tensor to one parameter's ``weight_loader``.
+class TensorRoutes:
+    """Checkpoint name -> table entry, by full name or, for the components a pre-quantized checkpoint stores in
+    place of ``weight`` (``qweight``, ``scales``, ``weight_scale_inv``, ...), by the module the name ends in."""
 
-    ``stacked_params_mapping``: ``(param_part, ckpt_part, shard_id)``; the first row whose
-    ``ckpt_part`` is a dotted component run of the name rewrites it. A tensor that matches no
-    parameter raises (unless its name ends with an entry of ``ignore``); so does any parameter left
-    (partly) unfilled. Returns the set of loaded checkpoint names.
+    def __init__(self, table: Iterable):
+        self.by_name, self.by_module = {}, {}
+        for t in table:
+            self.by_name[t.name] = t
+            self.by_module.setdefault(t.name.rpartition(".")[0], t)
+
+    def route(self, ckpt_name: str):
+        """``(table entry, parameter name)`` for ``ckpt_name``, or ``(None, None)`` if the table has no such tensor."""
+        t = self.by_name.get(ckpt_name)
+        if t is not None:
+            return t, t.target
+        module, _, part = ckpt_name.rpartition(".")
+        t = self.by_module.get(module)
+        if t is None or "." not in t.target:
+            return None, None
+        return t, f"{t.target.rpartition('.')[0]}.{part}"
+
+
+def load_weights_by_table(model: nn.Layer, weights: Iterable, table: Iterable, ignore: tuple = (),
+                          skipped_params: tuple = ()) -> set:
+    """Route every checkpoint tensor through the model's checkpoint table (``model_loader.shapes.Tensor`` rows)
+    to one parameter's ``weight_loader``, with the row's shard id. A tensor the table does not hold raises
+    (unless its name ends with an entry of ``ignore``); so does any parameter left (partly) unfilled. Returns
+    the set of loaded checkpoint names.
     """
     params = dict(model.named_parameters())
+    routes = TensorRoutes(table)
     loaded = set()
     for ckpt_name, tensor in weights:
         if any(ckpt_name.endswith(s) for s in ignore):
             continue
-        name, shard_id = ckpt_name, None
-        for param_part, ckpt_part, sid in stacked_params_mapping:
-            probe = f".{ckpt_part}."
-            if probe in f".{ckpt_name}":
-                name = f".{ckpt_name}".replace(probe, f".{param_part}.", 1)[1:]
-                shard_id = sid
-                break
-        param = params.get(name)
+        t, name = routes.route(ckpt_name)
+        param = params.get(name) if t is not None else None
         if param is None:
-            raise WeightLoadError(f"checkpoint tensor '{ckpt_name}' matches no model parameter (looked for '{name}')")
+            raise WeightLoadError(f"checkpoint tensor '{ckpt_name}' matches no model parameter"
+                                  + (f" (looked for '{name}')" if t is not None else " (not in the checkpoint table)"))
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            loader(param, tensor, shard_id)
+            loader(param, tensor, t.shard)
         except WeightLoadError as e:
             raise WeightLoadError(f"{e} [checkpoint tensor '{ckpt_name}']") from None
         loaded.add(ckpt_name)

@@ -1,17 +1,15 @@
-"""Tiny random checkpoints written by the package itself (offline tests and the README demo)."""
+"""Tiny random checkpoints written by the package itself (offline tests and the README demo).
+
+Each model writes its own (``models/<name>/tiny.py``, the ``tiny`` field of its registry spec); the shared
+pieces (seeded weights, safetensors output, the tiny tokenizer) live here.
+"""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
-_WRITERS = {
-    "Qwen2ForCausalLM": ("fastdeploy_ext.models.qwen2.tiny", "write_tiny_qwen2"),
-    "MiniMaxM1ForCausalLM": ("fastdeploy_ext.models.minimax_m1.tiny", "write_tiny_minimax_m1"),
-    "MiniMaxForCausalLM": ("fastdeploy_ext.models.minimax_m1.tiny", "write_tiny_minimax_hf"),
-    "MiDashengLMModel": ("fastdeploy_ext.models.midashenglm.tiny", "write_tiny_midashenglm"),
-}
+from fastdeploy_ext.models.registry import all_specs
 
 
 # Written beside every tiny checkpoint, so that the CLI can tell its own output from a directory holding
@@ -20,7 +18,12 @@ MARKER = "fastdeploy_ext_tiny.json"
 
 
 def tiny_architectures() -> list[str]:
-    return sorted(_WRITERS)
+    return sorted(arch for arch, spec in all_specs().items() if spec.tiny is not None)
+
+
+def demo_architecture() -> str:
+    """The architecture ``fastdeploy-ext demo`` writes and runs."""
+    return next(arch for arch, spec in sorted(all_specs().items()) if spec.demo)
 
 
 def tiny_checkpoint_arch(out_dir: str) -> str | None:
@@ -34,10 +37,10 @@ def tiny_checkpoint_arch(out_dir: str) -> str | None:
 
 def write_tiny(arch: str, out_dir: str, seed: int = 0, **kwargs) -> dict:
     """Write a tiny checkpoint of architecture ``arch`` to ``out_dir``; returns its config dict."""
-    if arch not in _WRITERS:
+    spec = all_specs().get(arch)
+    if spec is None or spec.tiny is None:
         raise ValueError(f"no tiny writer for architecture {arch!r}; available: {', '.join(tiny_architectures())}")
-    module, fn = _WRITERS[arch]
-    config = getattr(importlib.import_module(module), fn)(out_dir, seed=seed, **kwargs)
+    config = spec.resolve("tiny")(out_dir, seed=seed, **kwargs)
     with open(os.path.join(out_dir, MARKER), "w", encoding="utf-8") as f:
         json.dump({"architecture": arch, "seed": seed}, f)
     return config

@@ -1,7 +1,7 @@
 """The device backend (``LLM(..., backend="device")``: plain Paddle ops, the path a GPU runs) on the CPU, in float32 and
 float64, against references we did not write (issue 15, "Prove it (CPU)").
 
-Oracles: float32, the project's usual ones (``fastdeploy_ext.entrypoints.align``: HF ``Qwen2ForCausalLM``, HF
+Oracles: float32, the project's usual ones (each model package's ``align`` module: HF ``Qwen2ForCausalLM``, HF
 ``MiniMaxForCausalLM`` with partial RoPE patched in, the dasheng + torch projector + HF Qwen2 composite for
 MiDashengLM). float64, the same models in float64 with transformers' internal float32 casts removed by OUR test-side
 patch (tests/hf_float64.py; ``test_hf_float64_patch_is_live`` shows it changes float64 results and leaves the math
@@ -29,7 +29,7 @@ import torch
 import transformers  # noqa: F401  (the test extra installs it; missing = a failed install)
 
 from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
-from fastdeploy_ext.entrypoints import align  # noqa: E402
+from fastdeploy_ext.models.midashenglm.align import MiDashengLMOracle  # noqa: E402
 from fastdeploy_ext.tiny import write_tiny  # noqa: E402
 from tests import hf_float64  # noqa: E402
 from tests.oracle import check_greedy_against_oracle, engine_greedy, hf_logprobs  # noqa: E402
@@ -78,7 +78,7 @@ class AudioOracle:
 
         import_dasheng()  # the torchaudio workaround, or a skip
         self.dtype = dtype
-        self.impl = (align.MiDashengLMOracle if dtype == "float32" else hf_float64.MiDashengLMFloat64Oracle)(model_dir)
+        self.impl = (MiDashengLMOracle if dtype == "float32" else hf_float64.MiDashengLMFloat64Oracle)(model_dir)
 
     def __call__(self, ids, positions=(), clips=()):
         if not clips:

@@ -1,6 +1,6 @@
 """MiDashengLM on the engine vs a composite oracle we did not write, plus chunking, batching, caching and loading.
 
-Oracle (``fastdeploy_ext.entrypoints.align.MiDashengLMOracle``, shared with ``fastdeploy-ext align``): the PyPI
+Oracle (``fastdeploy_ext.models.midashenglm.align.MiDashengLMOracle``, shared with ``fastdeploy-ext align``): the PyPI
 ``dasheng`` encoder (``Dasheng``, B = 1) with the checkpoint's weights, fed the package's per-clip
 log-mel features (the frontend is checked against librosa in tests/layers/test_audio_frontend.py); the projector
 written out in torch (drop T mod 5 frames, stack 5 frames, Linear-GELU-Linear); transformers ``Qwen2ForCausalLM`` with
@@ -25,10 +25,9 @@ import transformers  # noqa: F401  (the test extra installs it; missing = a fail
 
 from fastdeploy_ext import LLM, SamplingParams  # noqa: E402
 from fastdeploy_ext.config.base import ConfigError  # noqa: E402
-from fastdeploy_ext.entrypoints.align import MiDashengLMOracle  # noqa: E402
 from fastdeploy_ext.layers.utils import WeightLoadError  # noqa: E402
+from fastdeploy_ext.models.midashenglm.align import MiDashengLMOracle  # noqa: E402
 from fastdeploy_ext.models.midashenglm.model import MiDashengLMModel  # noqa: E402
-from fastdeploy_ext.models.qwen2.model import QWEN2_STACKED_PARAMS  # noqa: E402
 from fastdeploy_ext.tiny import write_tiny  # noqa: E402
 
 SR = 16000
@@ -288,11 +287,21 @@ def test_missing_tie_key_needs_a_stored_head(tiny_dir, tmp_path):
         LLM(model=_variant(tiny_dir, str(tmp_path / "without_head"), no_head, drop_tie))
 
 
-def test_packed_modules_mapping_drives_the_loader(tiny_dir, monkeypatch):
-    model_rows = {(p, c, s) for p, c, s in MiDashengLMModel.stacked_params_mapping()}
-    assert model_rows == set(QWEN2_STACKED_PARAMS)
-    monkeypatch.setattr(MiDashengLMModel, "packed_modules_mapping", {"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
-    with pytest.raises(WeightLoadError, match=r"gate_proj"):
+def test_checkpoint_table_drives_the_loader(tiny_dir, monkeypatch):
+    """One table: the tensors the registry's checkpoint table lists (what the shape checks and the planner read)
+    are exactly the checkpoint's, and the loader routes by that table, so a row missing from it is refused."""
+    from fastdeploy_ext.model_loader.safetensors_loader import checkpoint_layout
+    from fastdeploy_ext.models.midashenglm import model as model_module
+    from fastdeploy_ext.models.registry import checkpoint_shape
+
+    with open(os.path.join(tiny_dir, "config.json")) as f:
+        table = {t.name: t.shape for t in checkpoint_shape(json.load(f)).tensors}
+    assert table == {name: shape for _, specs in checkpoint_layout(tiny_dir) for name, shape, _ in specs}
+    full = model_module.midashenglm_tensors
+    monkeypatch.setattr(model_module, "midashenglm_tensors",
+                        lambda *args: [t for t in full(*args) if ".gate_proj." not in t.name])
+    with pytest.raises(WeightLoadError, match=r"decoder\.model\.layers\.\d+\.mlp\.gate_proj\.weight' matches no model "
+                                              r"parameter \(not in the checkpoint table\)"):
         LLM(model=tiny_dir)
 
 

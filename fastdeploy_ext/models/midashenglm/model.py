@@ -28,28 +28,13 @@ from fastdeploy_ext.layers.embeddings import ParallelLMHead, tied_lm_logits
 from fastdeploy_ext.layers.utils import WeightLoadError
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, load_weights_by_table
 from fastdeploy_ext.models.midashenglm.config import MiDashengLMModelConfig
+from fastdeploy_ext.models.midashenglm.weights import IGNORED_TENSORS, midashenglm_tensors
 from fastdeploy_ext.models.qwen2.config import Qwen2Config
-from fastdeploy_ext.models.qwen2.model import QWEN2_IGNORED, Qwen2Model, _check_tied_head
+from fastdeploy_ext.models.qwen2.model import Qwen2Model, _check_tied_head
 
 AUDIO_TOKEN = "<|AUDIO|>"
 AUDIO_BOS = "<|audio_bos|>"
 AUDIO_EOS = "<|audio_eos|>"
-
-# Checkpoint tensors that are never loaded: BatchNorm's step counter and the mel filterbank / window some revisions
-# persist (possibly bf16-rounded; the frontend recomputes them in float64). Anything else unmatched is an error.
-IGNORED_TENSORS = (
-    "audio_encoder.init_bn.num_batches_tracked",
-    "audio_encoder.front_end.0.spectrogram.window",
-    "audio_encoder.front_end.0.mel_scale.fb",
-)
-# Checkpoint -> parameter names that are not a fused-shard rename (Paddle's BatchNorm statistics naming).
-RENAMED_TENSORS = {
-    "audio_encoder.init_bn.running_mean": "audio_encoder.init_bn._mean",
-    "audio_encoder.init_bn.running_var": "audio_encoder.init_bn._variance",
-}
-# Shard id of every checkpoint projection named in packed_modules_mapping.
-SHARD_IDS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "gate_proj": "gate", "up_proj": "up"}
-
 
 @dataclass
 class AudioInputs:
@@ -103,10 +88,11 @@ class MiDashengLMDecoder(nn.Layer):
 class MiDashengLMModel(ModelForCausalLM):
     config_class = MiDashengLMModelConfig
     # The decoder's fused parameters and the checkpoint projections they hold, in shard order (FastDeploy spelling);
-    # load_weights builds its stacked-params table from it and quantization matches per-shard names with it.
+    # quantization matches per-shard names with it.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
     # Kept in full precision under any quantization (spec §8): only the decoder's linears are quantized.
     quant_skip_modules = ("audio_encoder", "audio_projector")
+
     def __init__(self, fd_config):
         super().__init__(fd_config)
         cfg: MiDashengLMModelConfig = fd_config.model_config
@@ -262,29 +248,20 @@ class MiDashengLMModel(ModelForCausalLM):
                 raise (TypeError if isinstance(e, TypeError) else ValueError)(f"audio[{k}]: {e}") from None
         return clips
 
-    @classmethod
-    def stacked_params_mapping(cls) -> list:
-        """``(param component, checkpoint component, shard id)`` rows for :func:`load_weights_by_table`, built from
-        ``packed_modules_mapping`` plus the decoder's embedding/head renames."""
-        rows = [(packed, part, SHARD_IDS[part]) for packed, parts in cls.packed_modules_mapping.items() for part in parts]
-        return rows + [("embed_tokens.embeddings", "embed_tokens", None), ("lm_head.linear", "lm_head", None)]
-
     def load_weights(self, weights) -> set:
-        """Load every checkpoint tensor into its parameter (strict both ways; see IGNORED_TENSORS); returns the
-        loaded checkpoint names."""
-        weights = _check_tied_head(
-            self._renamed(weights), self.cfg.text.tie_word_embeddings, "decoder.lm_head.weight",
-            "decoder.model.embed_tokens.weight",
-        )
-        return load_weights_by_table(self, weights, self.stacked_params_mapping(), ignore=QWEN2_IGNORED)
+        """Load every checkpoint tensor into its parameter through the checkpoint table (strict both ways; see
+        ``weights.IGNORED_TENSORS``); returns the loaded checkpoint names."""
+        tied = self.cfg.text.tie_word_embeddings
+        weights = _check_tied_head(self._check_head_given(weights), tied, "decoder.lm_head.weight",
+                                   "decoder.model.embed_tokens.weight")
+        table = midashenglm_tensors(self.cfg, None if tied else "decoder.lm_head.weight")
+        return load_weights_by_table(self, weights, table, ignore=IGNORED_TENSORS)
 
-    def _renamed(self, weights):
+    def _check_head_given(self, weights):
         saw_head = False
         for name, tensor in weights:
-            if name in IGNORED_TENSORS:
-                continue
             saw_head |= name == "decoder.lm_head.weight"
-            yield RENAMED_TENSORS.get(name, name), tensor
+            yield name, tensor
         if not self.cfg.tie_word_embeddings_given and not saw_head:
             raise WeightLoadError(
                 "config.json sets tie_word_embeddings nowhere (text_config or top level) and the checkpoint has no "

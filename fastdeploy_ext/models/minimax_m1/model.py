@@ -22,7 +22,8 @@ from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError, accum_dtype, backend_of, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
-from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec
+from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec, TensorRoutes
+from fastdeploy_ext.models.minimax_m1.weights import MINIMAX_IGNORED, STACKED_DOWN, STACKED_GATE_UP, minimax_tensors
 from fastdeploy_ext.quantization.methods import check_components_complete
 
 
@@ -143,26 +144,6 @@ class MiniMaxM1Model(nn.Layer):
         return hidden
 
 
-# Checkpoint tensors that are recomputed from the config, never loaded: HF-native's persistent decay
-# buffers (slopes and their block tables) and RoPE inverse frequencies.
-MINIMAX_IGNORED = ("slope_rate", "query_decay", "key_decay", "diagonal_decay", "rotary_emb.inv_freq")
-# (param part, checkpoint part, shard id), first match wins; GQA rows apply only inside full-attention layers.
-MINIMAX_COMMON_PARAMS = [
-    ("block_sparse_moe.gate", "mlp.gate", None),  # HF-native router name
-    ("embed_tokens.embeddings", "embed_tokens", None),
-    ("lm_head.linear", "lm_head", None),
-]
-MINIMAX_FULL_ATTN_PARAMS = [
-    ("self_attn.qkv_proj", "self_attn.q_proj", "q"),
-    ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
-    ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
-]
-# Per-expert tensors (original: w1 = gate, w3 = up, w2 = down) or HF-native stacked ones. A per-expert matrix is
-# ``weight`` or, in a pre-quantized checkpoint, its components (GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``,
-# FP8 ``weight``/``weight_scale_inv``).
-_EXPERT_RE = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(?P<rest>.+)$")
-_PER_EXPERT_RE = re.compile(r"^(?P<e>\d+)\.(?P<w>w[123])\.(?P<part>\w+)$")
-_W_SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -201,23 +182,29 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
                                attn.acc)
 
     def load_weights(self, weights) -> set:
-        """Route every checkpoint tensor (either format, fp32 or bf16) to one parameter's loader; raise on
-        any tensor that matches nothing and on any parameter left (partly) unfilled. Returns loaded names."""
+        """Route every checkpoint tensor (either layout, fp32 or bf16) through the checkpoint table to one
+        parameter's loader; raise on any tensor the table does not hold and on any parameter left (partly)
+        unfilled. Returns loaded names."""
         params = dict(self.named_parameters())
+        routes = TensorRoutes(minimax_tensors(self.cfg, stacked_experts=False)
+                              + minimax_tensors(self.cfg, stacked_experts=True))
         loaded = set()
         for ckpt_name, tensor in weights:
             if any(ckpt_name == s or ckpt_name.endswith("." + s) for s in MINIMAX_IGNORED):
                 continue
             try:
-                expert = _EXPERT_RE.match(ckpt_name)
-                if expert:
-                    self._load_experts(params, expert["layer"], expert["rest"], tensor)
+                t, name = routes.route(ckpt_name)
+                if t is None or t.shard in (STACKED_GATE_UP, STACKED_DOWN) and ckpt_name != t.name:
+                    raise WeightLoadError(self._unrouted(ckpt_name))
+                if t.expert is not None:
+                    self._load_expert(t, ckpt_name.rpartition(".")[2], tensor)
+                elif t.shard in (STACKED_GATE_UP, STACKED_DOWN):
+                    self._load_stacked(params[t.target], t, tensor)
                 else:
-                    name, shard_id = self._param_name(ckpt_name)
                     param = params.get(name)
                     if param is None:
                         raise WeightLoadError(f"matches no model parameter (looked for '{name}')")
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor, t.shard)
             except WeightLoadError as e:
                 raise WeightLoadError(f"checkpoint tensor '{ckpt_name}': {e}") from None
             loaded.add(ckpt_name)
@@ -227,50 +214,39 @@ class MiniMaxM1ForCausalLM(ModelForCausalLM):
             layer.block_sparse_moe.experts.process_weights_after_loading()
         return loaded
 
-    def _param_name(self, ckpt_name: str) -> tuple[str, str | None]:
-        """Dispatch on the layer type: the fused ``self_attn.qkv_proj`` exists in both layer types, but on disk
-        only lightning layers carry it (head-major); a GQA layer's must be assembled from q/k/v."""
-        table = MINIMAX_COMMON_PARAMS
+    def _unrouted(self, ckpt_name: str) -> str:
+        """Why the table holds no ``ckpt_name``: a fused ``qkv_proj`` exists in both layer types, but on disk only
+        lightning layers carry it (head-major); a GQA layer's is assembled from q/k/v."""
         layer = _LAYER_RE.match(ckpt_name)
-        if layer and int(layer[1]) < len(self.model.layers) and not self.model.layers[int(layer[1])].is_linear:
-            if ".self_attn.qkv_proj." in ckpt_name:
-                raise WeightLoadError(f"layer {layer[1]} is a full-attention layer: expected q_proj/k_proj/v_proj, "
-                                      "not a fused qkv_proj")
-            table = MINIMAX_FULL_ATTN_PARAMS + MINIMAX_COMMON_PARAMS
-        for param_part, ckpt_part, shard_id in table:
-            probe = f".{ckpt_part}."
-            if probe in f".{ckpt_name}":
-                return f".{ckpt_name}".replace(probe, f".{param_part}.", 1)[1:], shard_id
-        return ckpt_name, None
+        if (layer and int(layer[1]) < len(self.model.layers) and not self.model.layers[int(layer[1])].is_linear
+                and ".self_attn.qkv_proj." in ckpt_name):
+            return f"layer {layer[1]} is a full-attention layer: expected q_proj/k_proj/v_proj, not a fused qkv_proj"
+        return "matches no model parameter (not in the checkpoint table)"
 
-    def _load_experts(self, params: dict, layer: str, rest: str, tensor) -> None:
-        up_gate = params.get(f"{layer}.block_sparse_moe.experts.up_gate_proj_weight")
-        down = params.get(f"{layer}.block_sparse_moe.experts.down_proj_weight")
-        if up_gate is None:
-            raise WeightLoadError(f"no MoE experts at '{layer}'")
-        experts: FusedMoE = self.model.layers[int(layer.rsplit(".", 1)[1])].block_sparse_moe.experts
-        per_expert = _PER_EXPERT_RE.match(rest)
-        if per_expert:
-            shard = _W_SHARD[per_expert["w"]]
-            param = experts.checkpoint_param("down_proj_weight" if shard == "down" else "up_gate_proj_weight",
-                                             per_expert["part"])
-            param.weight_loader(param, tensor, shard, int(per_expert["e"]))
-            return
+    def _experts_of(self, t) -> FusedMoE:
+        return self.model.layers[int(_LAYER_RE.match(t.name)[1])].block_sparse_moe.experts
+
+    def _load_expert(self, t, part: str, tensor) -> None:
+        """One expert's ``w1/w3/w2`` matrix, or in a pre-quantized checkpoint one of its components (GPTQ
+        ``qweight``/``qzeros``/``scales``/``g_idx``, FP8 ``weight``/``weight_scale_inv``)."""
+        param = self._experts_of(t).checkpoint_param(t.target.rpartition(".")[2], part)
+        param.weight_loader(param, tensor, t.shard, t.expert)
+
+    def _load_stacked(self, param, t, tensor) -> None:
+        """HF-native ``gate_up_proj [E, 2I, H]`` (gate rows first, then up: transformers' MiniMaxExperts) or
+        ``down_proj [E, H, I]``, one expert at a time without reading the whole tensor."""
+        experts = self._experts_of(t)
         if experts.quant_method is not None and experts.quant_method.components:
-            raise WeightLoadError(f"stacked expert tensor '{rest}' in a pre-quantized checkpoint: only per-expert "
+            raise WeightLoadError("a stacked expert tensor in a pre-quantized checkpoint: only per-expert "
                                   "E.w1/w2/w3 tensors are supported there")
-        e, inter, hidden = experts.num_experts, experts.intermediate_size, experts.hidden_size
-        if rest == "gate_up_proj":
-            _check_stacked(tensor, (e, 2 * inter, hidden))
-            for i in range(e):  # gate rows first, then up (transformers' MiniMaxExperts)
-                experts.weight_loader(up_gate, _ExpertRows(tensor, i, 0, inter), "gate", i)
-                experts.weight_loader(up_gate, _ExpertRows(tensor, i, inter, 2 * inter), "up", i)
-        elif rest == "down_proj":
-            _check_stacked(tensor, (e, hidden, inter))
-            for i in range(e):
-                experts.weight_loader(down, _ExpertRows(tensor, i, 0, hidden), "down", i)
-        else:
-            raise WeightLoadError(f"unknown expert tensor '{rest}' (expected E.w1/w2/w3.weight, gate_up_proj, down_proj)")
+        _check_stacked(tensor, t.shape)
+        inter, hidden = experts.intermediate_size, experts.hidden_size
+        for i in range(experts.num_experts):
+            if t.shard == STACKED_GATE_UP:
+                experts.weight_loader(param, _ExpertRows(tensor, i, 0, inter), "gate", i)
+                experts.weight_loader(param, _ExpertRows(tensor, i, inter, 2 * inter), "up", i)
+            else:
+                experts.weight_loader(param, _ExpertRows(tensor, i, 0, hidden), "down", i)
 
 
 class MiniMaxText01ForCausalLM(MiniMaxM1ForCausalLM):

@@ -14,20 +14,7 @@ from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError, as_float32
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, load_weights_by_table
-
-# (param component, checkpoint component, shard id): FastDeploy's fused names.
-QWEN2_STACKED_PARAMS = [
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("up_gate_proj", "gate_proj", "gate"),
-    ("up_gate_proj", "up_proj", "up"),
-    ("embed_tokens.embeddings", "embed_tokens", None),
-    ("lm_head.linear", "lm_head", None),
-]
-# HF may persist RoPE inverse frequencies; they are recomputed, never loaded.
-QWEN2_IGNORED = ("rotary_emb.inv_freq",)
-
+from fastdeploy_ext.models.qwen2.weights import QWEN2_IGNORED, qwen2_tensors
 
 class Qwen2MLP(nn.Layer):
     def __init__(self, fd_config, cfg: Qwen2Config, prefix: str):
@@ -150,7 +137,8 @@ class Qwen2ForCausalLM(ModelForCausalLM):
 
     def load_weights(self, weights) -> set:
         weights = _check_tied_head(weights, self.cfg.tie_word_embeddings, "lm_head.weight", "model.embed_tokens.weight")
-        return load_weights_by_table(self, weights, QWEN2_STACKED_PARAMS, ignore=QWEN2_IGNORED)
+        table = qwen2_tensors(self.cfg, head=None if self.cfg.tie_word_embeddings else "lm_head.weight")
+        return load_weights_by_table(self, weights, table, ignore=QWEN2_IGNORED)
 
 
 def _check_tied_head(weights, tied: bool, head_name: str, embed_name: str):

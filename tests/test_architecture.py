@@ -527,6 +527,92 @@ def test_architecture_names_only_in_their_model_package():
     assert set(KNOWN_ARCHITECTURES) <= declared_architectures(root), "a served architecture has no spec"
 
 
+# The input path has one definition site per step (engine/processor.py): the audio-part parser, the chat-template
+# renderer, the multimodal processor call and the grammar compile. Besides it, only the tokenizer (which defines the
+# rendering) and the models (which define their multimodal processor) name them.
+INPUT_PATH = "fastdeploy_ext.engine.processor"
+INPUT_PATH_EXEMPT = {"apply_chat_template": ("fastdeploy_ext.engine.tokenizer",),
+                     "chat_template_context": ("fastdeploy_ext.engine.tokenizer",),
+                     "multimodal_processor": ("fastdeploy_ext.models",)}
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
+
+
+def input_steps_outside_processor(root: str) -> list[str]:
+    """Sites outside :data:`INPUT_PATH` that parse audio parts (the part type strings inside a function), render a
+    chat template, call the model's multimodal processor (attribute or ``getattr`` name) or compile a grammar
+    (``compile_guided`` or ``.compile(<x>.guided_decoding)``)."""
+    found = []
+    for name, path in modules(root).items():
+        if name == INPUT_PATH:
+            continue
+        for func in ast.walk(parse(path)):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                what = None
+                if isinstance(node, ast.Constant) and node.value in AUDIO_PART_TYPES:
+                    what = f"audio part {node.value!r}"
+                elif isinstance(node, ast.Attribute) and node.attr in INPUT_PATH_EXEMPT:
+                    what = node.attr
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                      and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                      and node.args[1].value in INPUT_PATH_EXEMPT):
+                    what = node.args[1].value
+                elif isinstance(node, ast.Attribute) and node.attr == "compile_guided":
+                    what = "grammar compile"
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "compile"
+                      and node.args and isinstance(node.args[0], ast.Attribute)
+                      and node.args[0].attr == "guided_decoding"):
+                    what = "grammar compile"
+                if what is None or name.startswith(INPUT_PATH_EXEMPT.get(what, ("\0",))):
+                    continue
+                found.append(f"{rel(path, root)}:{node.lineno} {what}")
+    return sorted(set(found))
+
+
+def test_each_input_step_has_one_definition_site():
+    root = package_dir()
+    assert input_steps_outside_processor(root) == []
+    graph = import_graph(root)
+    front = [m for m in graph if m in ("fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli")
+             or m.startswith(("fastdeploy_ext.entrypoints.openai_server", "fastdeploy_ext.entrypoints.server"))]
+    assert {"fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli"} <= set(front)
+    assert [m for m in front if INPUT_PATH in graph[m]], "no entry point imports the input processor"
+    assert [m for m in ("fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli") if INPUT_PATH not in graph[m]] == []
+    assert any(INPUT_PATH in graph[m] for m in front if "server" in m), "the server does not import the input processor"
+
+
+def test_input_step_checker_sees_what_it_should(tmp_path):
+    pkg = tmp_path / "fastdeploy_ext"
+    files = {
+        "__init__.py": "",
+        "engine/__init__.py": "",
+        "engine/processor.py": "def p(part, tok, m, g, params):\n    return part['type'] == 'input_audio'\n",
+        "engine/tokenizer.py": "def r(self):\n    return self.chat_template_context()\n",
+        "models/__init__.py": "",
+        "models/m.py": "def f(self):\n    return self.multimodal_processor\n",
+        "entrypoints/__init__.py": "",
+        "entrypoints/front.py": ("def a(part, tok, model, engine, params, guided):\n"
+                                 "    if part.type == 'audio_url':\n"
+                                 "        tok.apply_chat_template([])\n"
+                                 "    getattr(model, 'multimodal_processor', None)\n"
+                                 "    engine.compile_guided(params, [])\n"
+                                 "    return guided.compile(params.guided_decoding, False)\n"),
+        "entrypoints/protocol.py": "class P:\n    type = 'input_audio'\n",
+    }
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert input_steps_outside_processor(str(pkg)) == [
+        "fastdeploy_ext/entrypoints/front.py:2 audio part 'audio_url'",
+        "fastdeploy_ext/entrypoints/front.py:3 apply_chat_template",
+        "fastdeploy_ext/entrypoints/front.py:4 multimodal_processor",
+        "fastdeploy_ext/entrypoints/front.py:5 grammar compile",
+        "fastdeploy_ext/entrypoints/front.py:6 grammar compile",
+    ]
+
+
 if __name__ == "__main__":  # pragma: no cover - a quick report
     r = package_dir()
     print("\n".join(backend_branches(r) + layering_violations(r)))

@@ -121,7 +121,8 @@ def _to_minimax_m1(messages: list[dict], names: dict) -> list[dict]:
 
 class ChatFormat:
     """A served model's chat conventions: its template (or ``chat_template``), the message adapter, the
-    tool-call parser and the reasoning parser. Shared by the server and :meth:`LLM.chat`.
+    tool-call parser and the reasoning parser. Shared by the server and :meth:`LLM.chat`; the input processor
+    (engine/processor.py) renders the template with it.
 
     ``adapter`` is the served model's (:func:`default_chat_adapter`): it follows the chat template, whatever
     tool-call parser the deployment picks."""
@@ -139,16 +140,6 @@ class ChatFormat:
     def adapt(self, messages: list[dict]) -> list[dict]:
         """``messages`` (OpenAI shape) in the shape the chat template reads."""
         return adapt_messages([{k: v for k, v in m.items() if v is not None} for m in messages], self.adapter)
-
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               **template_kwargs) -> str:
-        """The prompt text of ``messages`` (OpenAI shape) with ``tools`` (OpenAI tool dicts)."""
-        adapted = self.adapt(messages)
-        if tools:
-            template_kwargs["tools"] = tools
-        return self.tokenizer.apply_chat_template(adapted, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, chat_template=self.chat_template,
-                                                  **template_kwargs)
 
     def tool_constraint(self, tools: list[dict] | None, tool_choice):
         """``GuidedDecodingParams`` forcing calls for ``tool_choice`` ``"required"`` (one or more calls of

@@ -119,9 +119,11 @@ def _engine_kwargs(args) -> dict:
 
 
 def _generate_requests(args):
-    """The sampling parameters and one request per ``--prompt``, checked against the model's config, tokenizer
-    and layer shapes (the model is built without weights) so that no mistake waits for the weights to load."""
+    """The sampling parameters and one request per ``--prompt``, put through the input path ``LLM.generate`` takes
+    (engine/processor.py) on the model built without weights, so that no mistake waits for the weights to load."""
     from fastdeploy_ext.engine.engine import EngineArgs, build_fd_config, build_model
+    from fastdeploy_ext.engine.errors import RequestError
+    from fastdeploy_ext.engine.processor import AudioPart, InputProcessor
     from fastdeploy_ext.engine.sampling_params import SamplingParams
     from fastdeploy_ext.engine.tokenizer import Tokenizer
 
@@ -132,39 +134,26 @@ def _generate_requests(args):
         raise UsageError(_flag_names(str(e))) from None
     model_cls, fd_config = build_fd_config(EngineArgs(model=args.model, **_engine_kwargs(args)))
     model = build_model(model_cls, fd_config, load=False)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    processor = getattr(model, "multimodal_processor", None)
-    clips = []
-    for path in args.audio or ():
-        if processor is None:
-            raise UsageError(f"--audio: {model_cls.name()} takes text only")
-        from fastdeploy_ext.layers.audio.io import load_audio
-
-        try:
-            clips.append(load_audio(path))
-        except (OSError, ValueError, TypeError) as e:
-            raise UsageError(f"--audio {path}: {e}") from None
-    limit = fd_config.scheduler_config.max_model_len
+    processor = InputProcessor(Tokenizer.from_pretrained(args.model), model, fd_config.scheduler_config.max_model_len,
+                               fd_config.model_config.vocab_size)
     requests = []
-    for i, text in enumerate(args.prompt):
-        where = f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt"
-        if not text:
-            raise UsageError(f"{where} is empty")
-        if clips:
-            from fastdeploy_ext.models.midashenglm.model import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
+    try:
+        if args.audio:
+            processor.require_audio("--audio")
+        clips = [processor.decode_audio(AudioPart(path, f"--audio {path}")) for path in args.audio or ()]
+        for i, text in enumerate(args.prompt):
+            where = f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt"
+            if clips:
+                from fastdeploy_ext.models.midashenglm.model import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
 
-            if AUDIO_TOKEN not in text:
-                text = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(clips) + text
-        ids = tokenizer.encode(text, add_special_tokens=True)
-        if processor is not None:
-            try:
-                _, ids, _ = processor(tokenizer, text, ids, {"audio": clips} if clips else None)
-            except (ValueError, TypeError) as e:
-                raise UsageError(f"{where}: {e}") from None
-        if len(ids) >= limit:
-            raise UsageError(f"{where} has {len(ids)} tokens but --max-model-len is {limit} (the prompt and at "
-                             "least one generated token must fit)")
-        requests.append({"prompt": text, "multimodal_data": {"audio": clips}} if clips else text)
+                if AUDIO_TOKEN not in text:
+                    text = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(clips) + text
+            inputs = processor.prepare(text, multimodal_data={"audio": clips} if clips else None, field=where,
+                                       where=where)
+            processor.validate(inputs.token_ids, params, where)
+            requests.append({"prompt": text, "multimodal_data": {"audio": clips}} if clips else text)
+    except RequestError as e:
+        raise UsageError(e.message.replace("max_model_len", "--max-model-len")) from None
     return params, requests
 
 
@@ -606,8 +595,9 @@ def _user_errors() -> tuple:
     """Exceptions that describe the user's input. ``WeightLoadError`` (an unreadable or mismatched checkpoint)
     lives in a module that imports paddle: it can only have been raised once that module is loaded."""
     from fastdeploy_ext.config.base import ConfigError
+    from fastdeploy_ext.engine.errors import RequestError
 
-    errors = [UsageError, ConfigError]
+    errors = [UsageError, ConfigError, RequestError]
     utils = sys.modules.get("fastdeploy_ext.layers.utils")
     if utils is not None:
         errors.append(utils.WeightLoadError)

@@ -575,7 +575,7 @@ def test_each_input_step_has_one_definition_site():
     assert input_steps_outside_processor(root) == []
     graph = import_graph(root)
     front = [m for m in graph if m in ("fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli")
-             or m.startswith(("fastdeploy_ext.entrypoints.openai_server", "fastdeploy_ext.entrypoints.server"))]
+             or m.startswith(("fastdeploy_ext.entrypoints.openai", "fastdeploy_ext.entrypoints.server"))]
     assert {"fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli"} <= set(front)
     assert [m for m in front if INPUT_PATH in graph[m]], "no entry point imports the input processor"
     assert [m for m in ("fastdeploy_ext.engine.llm", "fastdeploy_ext.entrypoints.cli") if INPUT_PATH not in graph[m]] == []

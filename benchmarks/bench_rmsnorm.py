@@ -1,5 +1,5 @@
 """RMSNorm with its residual add on the CPU, float32: the host backend's NumPy version (``ops/host/rmsnorm.py``)
-beside Paddle's plain ops (the device backend's ``layers/normalization.rms_norm``) and, only where the CPU has
+beside Paddle's plain ops (the device backend's ``ops/device/rmsnorm.py``) and, only where the CPU has
 AVX-512, Paddle's ``incubate`` ``fused_rms_norm`` (it dies with SIGILL elsewhere). Best of 5 rounds, microseconds
 per call; unit-normal inputs from seed 0.
 
@@ -14,9 +14,9 @@ import time
 import numpy as np
 import paddle
 
-from fastdeploy_ext.layers.normalization import rms_norm
-from fastdeploy_ext.ops.host.cpu_features import cpu_flags, describe_cpu
-from fastdeploy_ext.ops.host.host_threads import host_threads
+from fastdeploy_ext.ops.device.rmsnorm import rms_norm
+from fastdeploy_ext.ops.cpu_features import cpu_flags, describe_cpu
+from fastdeploy_ext.ops.host_threads import host_threads
 from fastdeploy_ext.ops.host.rmsnorm import rms_norm_residual
 
 EPS = 1e-6

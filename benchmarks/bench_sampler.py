@@ -226,7 +226,7 @@ def _time(fn, reps):
 
 def bench_host(args):
     from fastdeploy_ext.engine.sampler import HostSampler
-    from fastdeploy_ext.ops.host.host_threads import set_host_threads
+    from fastdeploy_ext.ops.host_threads import set_host_threads
 
     set_host_threads(args.threads)
     sampler = HostSampler()

@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     args = ap.parse_args()
-    from fastdeploy_ext.ops.host.cpu_features import describe_cpu
+    from fastdeploy_ext.ops.cpu_features import describe_cpu
     from fastdeploy_ext.tiny import write_tiny
 
     print(f"CPU: {describe_cpu()}; threads {args.threads}")

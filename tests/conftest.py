@@ -24,7 +24,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture
 def host_threads_set():
     """``set(n)`` for the host thread pool; the count the test found is restored afterwards."""
-    from fastdeploy_ext.ops.host import host_threads
+    from fastdeploy_ext.ops import host_threads
 
     before = host_threads.host_threads()
     yield host_threads.set_host_threads

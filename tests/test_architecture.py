@@ -9,8 +9,10 @@
 2. Imports point one way, ops <- layers <- models <- engine <- entrypoints, and ``config`` imports none of them.
 3. No import cycles among ``fastdeploy_ext`` modules.
 4. No ``paddle.incubate`` function is reachable unguarded: every import of, or attribute reaching into,
-   ``paddle.incubate`` sits inside an ``if`` whose condition calls ``cpu_flags`` (``ops/host/cpu_features.py``) or asks
+   ``paddle.incubate`` sits inside an ``if`` whose condition calls ``cpu_flags`` (``ops/cpu_features.py``) or asks
    for a GPU (:data:`GPU_GUARDS`). Paddle's incubate CPU kernels are built for AVX-512 and die with SIGILL elsewhere.
+5. Only the layers' backend choice (:data:`BACKEND_CHOICE`) and ``ops/`` itself import ``ops/host``.
+6. Only the backend choice calls ``paddle.get_device()``.
 
 Imports are read everywhere in a module (function-level ones included; ``if TYPE_CHECKING:`` blocks excluded, they
 never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
@@ -611,6 +613,82 @@ def test_input_step_checker_sees_what_it_should(tmp_path):
         "fastdeploy_ext/entrypoints/front.py:5 grammar compile",
         "fastdeploy_ext/entrypoints/front.py:6 grammar compile",
     ]
+
+
+# ---------------------------------------------------------------- rules 5 and 6: one backend choice
+
+# The layers' backend choice: the only module outside ops/ that imports ops/host or asks Paddle for the device.
+BACKEND_CHOICE = ("fastdeploy_ext.layers.backend",)
+
+
+def host_imports_outside_choice(root: str) -> list[str]:
+    """Imports of ``fastdeploy_ext.ops.host`` (or a module in it) from outside ``ops/`` and :data:`BACKEND_CHOICE`:
+    models, the engine and the other layers reach a host implementation through the backend choice."""
+    graph, mods = import_graph(root), modules(root)
+    return [f"{rel(mods[src], root)}:{line} imports {dst}" for src, targets in sorted(graph.items())
+            if _area(src) != "ops" and src not in BACKEND_CHOICE
+            for dst, line in sorted(targets.items()) if dst == "fastdeploy_ext.ops.host"
+            or dst.startswith("fastdeploy_ext.ops.host.")]
+
+
+def device_queries_outside_choice(root: str) -> list[str]:
+    """Calls of ``paddle.get_device()`` (or ``paddle.device.get_device()``) outside :data:`BACKEND_CHOICE`: whether a
+    GPU runs is asked one way, there."""
+    found = []
+    for name, path in modules(root).items():
+        if name in BACKEND_CHOICE:
+            continue
+        for node in ast.walk(parse(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_device"
+                    and ast.unparse(node.func.value) in ("paddle", "paddle.device")):
+                found.append(f"{rel(path, root)}:{node.lineno}")
+    return found
+
+
+def test_ops_host_imported_only_by_the_backend_choice():
+    found = host_imports_outside_choice(package_dir())
+    assert not found, (f"ops/host imported outside ops/ and {', '.join(BACKEND_CHOICE)} (call a layer, or add the "
+                       "implementation to the backend choice):\n  " + "\n  ".join(found))
+
+
+def test_gpu_presence_asked_only_by_the_backend_choice():
+    found = device_queries_outside_choice(package_dir())
+    assert not found, (f"paddle.get_device() outside {', '.join(BACKEND_CHOICE)} (ask the backend choice, which reads "
+                       "the engine's resolved load_config.device):\n  " + "\n  ".join(found))
+
+
+def test_backend_choice_checker_sees_what_it_should(tmp_path):
+    """A planted package: ops/host imports and device queries fire outside the choice, stay quiet inside it and
+    inside ops/."""
+    pkg = tmp_path / "fastdeploy_ext"
+    files = {
+        "__init__.py": "",
+        "ops/__init__.py": "",
+        "ops/host/__init__.py": "def host_view(t):\n    return t\n",
+        "ops/host/gemm.py": "from fastdeploy_ext.ops.host import host_view\n",
+        "ops/launch.py": "import paddle\nON = paddle.get_device()\n",
+        "layers/__init__.py": "",
+        "layers/backend.py": ("import paddle\nfrom fastdeploy_ext.ops.host import gemm\n"
+                              "def on_gpu():\n    return paddle.get_device().startswith('gpu')\n"),
+        "layers/attn.py": ("import paddle\nfrom fastdeploy_ext.layers import backend\n"
+                           "def f():\n    from fastdeploy_ext.ops.host.gemm import host_view\n"
+                           "    return paddle.device.get_device(), paddle.device.cuda.get_device_capability()\n"),
+        "models/__init__.py": "",
+        "models/m.py": "from fastdeploy_ext.ops.host import host_view\nfrom fastdeploy_ext.ops import launch\n",
+        "engine/__init__.py": "",
+        "engine/e.py": "import fastdeploy_ext.ops.host.gemm\nimport paddle\nX = paddle.get_device\n",
+    }
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    root = str(pkg)
+    assert host_imports_outside_choice(root) == [
+        "fastdeploy_ext/engine/e.py:1 imports fastdeploy_ext.ops.host.gemm",
+        "fastdeploy_ext/layers/attn.py:4 imports fastdeploy_ext.ops.host.gemm",
+        "fastdeploy_ext/models/m.py:1 imports fastdeploy_ext.ops.host"]
+    assert sorted(device_queries_outside_choice(root)) == ["fastdeploy_ext/layers/attn.py:5",
+                                                           "fastdeploy_ext/ops/launch.py:2"]
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick report

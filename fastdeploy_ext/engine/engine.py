@@ -29,7 +29,7 @@ from fastdeploy_ext.engine.request import EngineOutput, Request
 from fastdeploy_ext.engine.sampler import StepSampler, record_prompt_logprobs
 from fastdeploy_ext.engine.sampling_params import SamplingParams
 from fastdeploy_ext.engine.scheduler import EngineSnapshot
-from fastdeploy_ext.ops.host.host_threads import host_threads
+from fastdeploy_ext.ops.host_threads import host_threads
 
 logger = logging.getLogger("fastdeploy_ext")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastdeploy_ext.engine.sampling_params import SamplingParams
-from fastdeploy_ext.ops.host.host_threads import host_threads, run_parallel
+from fastdeploy_ext.ops.host_threads import host_threads, run_parallel
 
 logger = logging.getLogger("fastdeploy_ext")
 

@@ -14,20 +14,16 @@ from fastdeploy_ext.distributed.communication import (
     tp_rank,
     tp_size,
 )
+from fastdeploy_ext.layers.backend import accum_dtype, backend_of, compute_dtype, host_view, matmul_into
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
-    accum_dtype,
     as_float32,
     assign,
-    backend_of,
     check_shape,
-    compute_dtype,
     create_param,
     mark_loaded,
     shape_of,
 )
-from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.gemm import matmul_into
 
 
 class VocabParallelEmbedding(nn.Layer):

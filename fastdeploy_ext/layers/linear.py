@@ -14,19 +14,16 @@ from paddle.utils import dlpack
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
+from fastdeploy_ext.layers.backend import backend_of, compute_dtype, host_view, matmul_into
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
     as_float32,
     assign,
-    backend_of,
     check_shape,
-    compute_dtype,
     create_param,
     mark_loaded,
     shape_of,
 )
-from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.gemm import matmul_into
 from fastdeploy_ext.quantization.methods import get_quant_method
 
 

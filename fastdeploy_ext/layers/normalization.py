@@ -5,14 +5,8 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from fastdeploy_ext.layers.utils import accum_dtype, backend_of, compute_dtype, create_param, default_weight_loader
-
-
-def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float, stat_dtype: str = "float32") -> paddle.Tensor:
-    """``x * rsqrt(mean(x^2) + eps) * weight`` with statistics in ``stat_dtype``, result in ``x``'s dtype."""
-    xf = x.astype(stat_dtype)
-    var = paddle.mean(xf * xf, axis=-1, keepdim=True)
-    return (xf * paddle.rsqrt(var + eps)).astype(x.dtype) * weight
+from fastdeploy_ext.layers.backend import backend_for, compute_dtype
+from fastdeploy_ext.layers.utils import create_param, default_weight_loader
 
 
 class RMSNorm(nn.Layer):
@@ -20,22 +14,13 @@ class RMSNorm(nn.Layer):
         super().__init__()
         self.prefix = prefix
         self.eps = eps
-        self.stat_dtype = accum_dtype(fd_config)
         self.weight = create_param(self, [hidden_size], compute_dtype(fd_config), value=1.0)
         self.weight.weight_loader = default_weight_loader
         self.weight.param_path = f"{prefix}.weight"
-        if backend_of(fd_config) == "host":
-            # Not Paddle's incubate fused_rms_norm: its CPU kernel needs AVX-512 (SIGILL on AVX2-only CPUs).
-            from fastdeploy_ext.ops.host.rmsnorm import rms_norm_residual
-
-            self._host_rms_norm = rms_norm_residual
-            self.forward = self._forward_host
-
-    def _forward_host(self, x: paddle.Tensor, residual_input: paddle.Tensor | None = None):
-        return self._host_rms_norm(x, self.weight, self.eps, residual_input)
+        # Statistics in max(float32, compute dtype). On the host backend not Paddle's fused CPU kernel: it needs
+        # AVX-512 (SIGILL on AVX2-only CPUs).
+        self._rms_norm = backend_for(fd_config).rms_norm_residual
 
     def forward(self, x: paddle.Tensor, residual_input: paddle.Tensor | None = None):
         """Returns ``(norm(x + residual_input), x + residual_input)``; without a residual, ``(norm(x), x)``."""
-        if residual_input is not None:
-            x = x + residual_input
-        return rms_norm(x, self.weight, self.eps, self.stat_dtype), x
+        return self._rms_norm(x, self.weight, self.eps, residual_input)

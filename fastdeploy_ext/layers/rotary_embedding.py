@@ -18,7 +18,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy_ext.config.base import ConfigError
-from fastdeploy_ext.layers.utils import accum_dtype, backend_of
+from fastdeploy_ext.layers.backend import accum_dtype, backend_for
 
 
 class RotaryEmbedding(nn.Layer):
@@ -45,25 +45,10 @@ class RotaryEmbedding(nn.Layer):
         # [max_position, rotary_dim]; constants, not parameters (never loaded).
         self.register_buffer("cos_cache", paddle.to_tensor(cos_full), persistable=False)
         self.register_buffer("sin_cache", paddle.to_tensor(sin_full), persistable=False)
-        if backend_of(fd_config) == "host":
-            from fastdeploy_ext.ops.host.rope import HostRotary
-
-            self.rotate = HostRotary(cos_full, sin_full, head_dim, rotary_dim, style)
-
-    def rotate(self, positions: paddle.Tensor, x: paddle.Tensor) -> paddle.Tensor:
-        """x ``[T, heads, head_dim]`` → rotated copy in x's dtype (q and k heads may be rotated together)."""
-        r = self.rotary_dim
-        cos = paddle.gather(self.cos_cache, positions).unsqueeze(1)
-        sin = paddle.gather(self.sin_cache, positions).unsqueeze(1)
-        rot = (x[..., :r] if r < self.head_dim else x).astype(cos.dtype)
-        if self.style == "neox":
-            partner = paddle.concat([rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
-        else:
-            partner = paddle.stack([rot[..., 1::2], rot[..., 0::2]], axis=-1).reshape(rot.shape)
-        out = (rot * cos + partner * sin).astype(x.dtype)
-        if r == self.head_dim:
-            return out
-        return paddle.concat([out, x[..., r:]], axis=-1)
+        # ``rotate(positions [T], x [T, heads, head_dim])`` → rotated copy in x's dtype (q and k heads may be
+        # rotated together).
+        self.rotate = backend_for(fd_config).rotary(cos_full, sin_full, self.cos_cache, self.sin_cache, head_dim,
+                                                    rotary_dim, style)
 
     def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):
         """q ``[T, Hq, D]``, k ``[T, Hkv, D]`` → rotated copies (inputs are not modified)."""

@@ -7,21 +7,7 @@ from contextlib import contextmanager
 import numpy as np
 import paddle
 
-
-def compute_dtype(fd_config) -> str:
-    """The activations' dtype."""
-    return "float32" if fd_config is None else fd_config.load_config.dtype
-
-
-def accum_dtype(fd_config) -> str:
-    """Where precision matters (router, softmax, recurrent state, norm statistics, RoPE tables, logits):
-    max(float32, compute dtype), so float32 under bf16 and float64 under float64."""
-    return "float64" if compute_dtype(fd_config) == "float64" else "float32"
-
-
-def backend_of(fd_config) -> str:
-    """``"host"`` or ``"device"`` (resolved by the engine; a bare layer in a test defaults to host)."""
-    return "host" if fd_config is None else fd_config.load_config.backend
+from fastdeploy_ext.layers.backend import assign_host
 
 
 class WeightLoadError(ValueError):
@@ -64,34 +50,32 @@ def check_shape(param_name: str, got: tuple, want: tuple, ckpt_name: str | None 
         raise WeightLoadError(f"shape mismatch for parameter '{param_name}'{src}: checkpoint {list(got)}, expected {list(want)}")
 
 
-_SHAPE_ONLY = False
-
-
 @contextmanager
-def shape_only_loading():
-    """Run weight loaders without copying anything: each assignment only checks that the value has
-    the shape of the slice it would fill. With zero-stride stand-ins for checkpoint tensors and a
-    model built under ``paddle.LazyGuard``, this plans a sharded load of a 456B checkpoint in memory
-    measured in megabytes."""
-    global _SHAPE_ONLY
-    prev, _SHAPE_ONLY = _SHAPE_ONLY, True
+def shape_only_loading(model: paddle.nn.Layer):
+    """Run ``model``'s weight loaders without copying anything: each assignment into one of its parameters only
+    checks that the value has the shape of the slice it would fill. With zero-stride stand-ins for checkpoint
+    tensors and a model built under ``paddle.LazyGuard``, this plans a sharded load of a 456B checkpoint in memory
+    measured in megabytes. The choice is each parameter's (``shape_only``), set for ``model``'s parameters only."""
+    params = model.parameters()
+    for p in params:
+        p.shape_only = True
     try:
         yield
     finally:
-        _SHAPE_ONLY = prev
+        for p in params:
+            del p.shape_only
 
 
 def assign(param: paddle.Tensor, value: np.ndarray, index=None):
-    """Copy ``value`` into ``param`` (or ``param[index]``) in place, keeping the parameter's dtype."""
-    if _SHAPE_ONLY:
+    """Copy ``value`` into ``param`` (or ``param[index]``) in place, keeping the parameter's dtype; a parameter under
+    :func:`shape_only_loading` only checks the value's shape."""
+    if getattr(param, "shape_only", False):
         target = np.broadcast_to(np.uint8(0), tuple(param.shape))
         target = target if index is None else target[index]
         if tuple(value.shape) != tuple(target.shape):
             raise WeightLoadError(f"'{getattr(param, 'param_path', param.name)}'{'' if index is None else f'[{index}]'}: "
                                   f"value {list(value.shape)} does not fit slot {list(target.shape)}")
         return
-    from fastdeploy_ext.ops.host.copy import assign_host
-
     if assign_host(param, value, index):  # straight into a CPU parameter's memory: one pass over the value
         return
     t = paddle.to_tensor(np.ascontiguousarray(value)).astype(param.dtype)
@@ -127,8 +111,3 @@ def default_weight_loader(param, loaded_weight, shard_id=None):
     check_shape(getattr(param, "param_path", param.name), shape_of(loaded_weight), tuple(param.shape))
     assign(param, as_float32(loaded_weight))
     mark_loaded(param)
-
-
-def set_weight_attrs(param, **attrs):
-    for k, v in attrs.items():
-        setattr(param, k, v)

@@ -31,11 +31,10 @@ import numpy as np
 import paddle
 
 from fastdeploy_ext.config.base import ConfigError
+from fastdeploy_ext.layers.backend import accum_dtype, compute_dtype
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
-    accum_dtype,
     assign,
-    compute_dtype,
     create_param,
     is_fully_loaded,
     mark_loaded,

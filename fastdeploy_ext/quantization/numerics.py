@@ -64,14 +64,6 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
 
 
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_nibbles`."""
-    out = np.empty((packed.shape[0] * 2,) + packed.shape[1:], np.uint8)
-    out[0::2] = packed & 0xF
-    out[1::2] = packed >> 4
-    return out
-
-
 def gptq_unpack_rows(qweight: np.ndarray) -> np.ndarray:
     """AutoGPTQ ``qweight`` int32 ``[in/8, out]`` (input row ``8k+j`` in bits ``4j..4j+3`` of word ``k``) →
     nibbles uint8 ``[in, out]``."""

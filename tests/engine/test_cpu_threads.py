@@ -6,7 +6,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.engine.engine import EngineArgs, set_cpu_threads
-from fastdeploy_ext.ops.host import host_threads
+from fastdeploy_ext.ops import host_threads
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 from fastdeploy_ext import SamplingParams
 from fastdeploy_ext.engine import sampler as sampler_mod
 from fastdeploy_ext.engine.sampler import HostSampler, SampleRow, log_softmax, top_logprobs
-from fastdeploy_ext.ops.host.host_threads import host_threads, set_host_threads
+from fastdeploy_ext.ops.host_threads import host_threads, set_host_threads
 from tests.engine.test_sampler import frequency_failures as binomial_failures
 
 DRAWS = 20000

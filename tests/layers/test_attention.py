@@ -13,7 +13,8 @@ import paddle
 import pytest
 
 from fastdeploy_ext.engine.cache_manager import BlockManager
-from fastdeploy_ext.layers.attention import Attention, build_attention_metadata
+from fastdeploy_ext.layers.attention import Attention
+from fastdeploy_ext.layers.attention_metadata import build_attention_metadata
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 8, 2, 64
@@ -22,7 +23,7 @@ TOL = {"float32": 1e-5, "float64": 1e-12}
 
 
 def _attention(backend, dtype):
-    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype))
+    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype, device="cpu"))
     return Attention(cfg, HEADS, KV_HEADS, DIM, kv_cache_index=0)
 
 

@@ -13,7 +13,8 @@ import pytest
 from fastdeploy_ext.config.base import FDConfig, LoadConfig, ParallelConfig
 from fastdeploy_ext.models.minimax_m1.config import MiniMaxM1Config
 from fastdeploy_ext.layers.forward_meta import ForwardMeta
-from fastdeploy_ext.layers.linear_attention import LinearAttention, LinearAttentionMetadata, alibi_slopes, lightning_slopes
+from fastdeploy_ext.layers.attention_metadata import LinearAttentionMetadata
+from fastdeploy_ext.layers.linear_attention import LinearAttention, alibi_slopes, lightning_slopes
 from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.rotary_embedding import get_rope
 from fastdeploy_ext.layers.utils import WeightLoadError
@@ -145,7 +146,7 @@ def test_lightning_host_path_chunks_threads_and_numpy_decode(tmp_path, monkeypat
     """The CPU path at odd sizes: a prefill of ``tokens`` tokens, then ``tokens`` one-token decodes in one step,
     match the float64 recurrence; row chunks (a width that does not divide the chunk) and two host threads give
     the bits of one thread and whole-array passes, and so does the NumPy decode fallback of the MKL one."""
-    from fastdeploy_ext.ops.host import host_threads
+    from fastdeploy_ext.ops import host_threads
     from fastdeploy_ext.ops.host import lightning as ref_op
 
     slots = list(range(tokens))[::-1]
@@ -343,7 +344,7 @@ def test_packed_weights_match_float64(rows):
 def test_moe_packed_chunks_and_threads_do_not_change_results(monkeypatch, host_threads_set, tokens):
     """The packed path's activation and pair sum in row chunks (a width that does not divide the chunk) over
     two host threads give the bits of whole-array passes on one thread."""
-    from fastdeploy_ext.ops.host import host_threads
+    from fastdeploy_ext.ops import host_threads
 
     moe, gate, x, want = _moe_case(41, tokens)
     moe.process_weights_after_loading()

@@ -15,7 +15,7 @@ import pytest
 from fastdeploy_ext.config.base import FDConfig, LoadConfig, ParallelConfig, QuantConfig
 from fastdeploy_ext.layers.linear import ReplicatedLinear
 from fastdeploy_ext.layers.moe import FusedMoE
-from fastdeploy_ext.layers.utils import accum_dtype
+from fastdeploy_ext.layers.backend import accum_dtype
 
 TOL = {"float32": 1e-5, "float64": 1e-12}
 # backend, dtype
@@ -212,7 +212,7 @@ _TRITON_SCRIPT = """
 import json
 import numpy as np, paddle
 from fastdeploy_ext.config.base import QuantConfig
-from fastdeploy_ext.layers.moe import TritonExperts
+from fastdeploy_ext.ops.device.moe import TritonExperts
 from tests.layers.test_moe import Case, dequantized_from_definition, rel_err
 
 errors = {}

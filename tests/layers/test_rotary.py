@@ -40,7 +40,7 @@ def test_rope_strided_qk_columns(backend, dtype, tol, style, rotary_dim):
     rng = np.random.default_rng(rotary_dim)
     pos = np.array([0, 1, 17, 255, 256, 1000])
     qkv = rng.standard_normal((len(pos), (heads + 2 * kv_heads) * head_dim)).astype(dtype)
-    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype))
+    cfg = SimpleNamespace(load_config=SimpleNamespace(backend=backend, dtype=dtype, device="cpu"))
     rope = get_rope(head_dim, 1024, theta, rotary_dim=rotary_dim, style=style, fd_config=cfg)
     qk = paddle.to_tensor(qkv)[:, : (heads + kv_heads) * head_dim].reshape([-1, heads + kv_heads, head_dim])
     out = rope.rotate(paddle.to_tensor(pos), qk)

@@ -272,7 +272,7 @@ from fastdeploy_ext.layers.linear_attention import LinearAttention
 llm = LLM(model=sys.argv[1], backend="device", dtype="float32", max_model_len=64, max_num_seqs=1,
           max_num_batched_tokens=32)
 layers = [l for l in llm.llm_engine.model.sublayers() if isinstance(l, LinearAttention)]
-names = sorted({l._prefill_op.__name__ + "/" + l._decode_op.__name__ for l in layers})
+names = sorted({l.impl.prefill_op.__name__ + "/" + l.impl.decode_op.__name__ for l in layers})
 prompt = json.loads(sys.argv[2])
 out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
                    logprobs=2, prompt_logprobs=2), use_tqdm=False)[0]
@@ -346,7 +346,7 @@ def test_lightning_capability_comes_from_paddle(monkeypatch):
     the tensor's GPU); a CPU tensor, or the interpreter, gives None (so never the Gluon kernels)."""
     import paddle
 
-    from fastdeploy_ext.ops.lightning_attn import launcher
+    from fastdeploy_ext.ops import launch
 
     class FakePlace:
         def is_gpu_place(self):
@@ -361,7 +361,7 @@ def test_lightning_capability_comes_from_paddle(monkeypatch):
     asked = []
     monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda i: asked.append(i) or (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ops = launcher.PaddleOps()
+    ops = launch.PaddleOps()
     assert ops.capability(FakeGpuTensor()) == (9, 0) and asked == [3]
     assert ops.capability(paddle.zeros([1])) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -371,7 +371,7 @@ def test_lightning_capability_comes_from_paddle(monkeypatch):
 def test_lightning_layer_kernel_choice():
     """The layer's choice, made once at construction: the Triton kernels on a GPU or when forced, the Paddle
     reference otherwise; each with the dtypes it takes (the reference: float32 and float64)."""
-    from fastdeploy_ext.layers.linear_attention import select_lightning_ops
+    from fastdeploy_ext.ops.lightning_attn.select import select_lightning_ops
 
     def names(ops):
         return ops[0].__name__, ops[1].__name__, ops[2]

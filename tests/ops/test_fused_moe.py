@@ -186,7 +186,8 @@ def test_reference_matches_the_fused_moe_layer(method):
     # scales [E, 1, out] as loaded) equals the layer's forward with the layer's routing.
     import paddle
     from fastdeploy_ext.config.base import FDConfig, QuantConfig
-    from fastdeploy_ext.layers.moe import FusedMoE, route
+    from fastdeploy_ext.layers.moe import FusedMoE
+    from fastdeploy_ext.ops.moe_routing import route
 
     hidden, inter, experts, top_k, tokens = 64, 48, 6, 2, 29
     fd = None if method is None else FDConfig(model_config=None, quant_config=QuantConfig(method))

@@ -227,13 +227,14 @@ def _compile_up_gate_sm90(g, pdl=False):
     from triton.runtime.jit import mangle_type
 
     from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
-    from fastdeploy_ext.ops.fused_moe.launcher import _permutes, _swapped_warps_m, _TorchOps, _weight_desc
+    from fastdeploy_ext.ops.fused_moe.launcher import _permutes, _swapped_warps_m, _weight_desc
+    from fastdeploy_ext.ops.launch import TorchOps
 
     hidden, inter, experts = 6144, 1152, 32
     w = torch.zeros(experts, hidden, 2 * inter, dtype=torch.int8)
     x, i32, f32 = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
     fn = tk._up_gate_kernel
-    args = dict(x_ptr=x, w_desc=_weight_desc(_TorchOps(), w, g), scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32,
+    args = dict(x_ptr=x, w_desc=_weight_desc(TorchOps(), w, g), scale_ptr=f32, sorted_ptr=i32, offsets_ptr=i32,
                 act_ptr=x, part_ptr=f32, sem_ptr=i32)
     consts = dict(E_PAD=32, BM=g.block_m, BN=g.block_n, BK=g.block_k, GROUP_M=g.group_m, SPLIT_K=g.split_k,
                   INT8=True, DOT_T=tl.bfloat16, PRECISION="tf32", EVEN_K=True, WIDEN_ASM=True, SWAP_AB=g.swap_ab,

@@ -257,9 +257,10 @@ def test_prefill_gluon_request_off_hopper_names_the_requirements(monkeypatch):
 def test_gluon_path_only_for_outputs_it_can_store(q_dtype, out_dtype, want):
     # The bf16 Gluon kernel writes bf16 tiles by TMA: a float32 out with bf16 inputs must take the Triton kernel.
     import torch
+    from fastdeploy_ext.ops.launch import TorchOps
     from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
-    class Hopper(tk._TorchOps):
+    class Hopper(TorchOps):
         def capability(self, t):
             return (9, 0)
 
@@ -267,7 +268,7 @@ def test_gluon_path_only_for_outputs_it_can_store(q_dtype, out_dtype, want):
     out = torch.zeros(4, 2, 128, dtype=getattr(torch, out_dtype))
     assert tk._gluon_ok(Hopper(), q, out, "tf32", 64) is want
     assert tk._gluon_ok(Hopper(), q, out, "ieee", 64) is False
-    assert tk._gluon_ok(tk._TorchOps(), q, out, "tf32", 64) is False  # CPU tensors
+    assert tk._gluon_ok(TorchOps(), q, out, "tf32", 64) is False  # CPU tensors
 
 
 @pytest.mark.parametrize(
@@ -362,14 +363,15 @@ def test_prefill_plans_and_uploads_each_batch_layout_once(monkeypatch):
     import torch
     import numpy as np
 
+    from fastdeploy_ext.ops.launch import TorchOps
     from fastdeploy_ext.ops.lightning_attn import triton_kernels as tk
 
     monkeypatch.setattr(tk, "_PLAN_CACHE", {})
     monkeypatch.setattr(tk, "_PLAN_CACHE_SIZE", 3)
-    ops, like = tk._TorchOps(), torch.zeros(1)
+    ops, like = TorchOps(), torch.zeros(1)
     uploads, planned = [], []
-    real_upload, real_plan = tk._TorchOps.from_host, tk._plan_segments
-    monkeypatch.setattr(tk._TorchOps, "from_host", lambda self, a, like: uploads.append(a.shape) or real_upload(self, a, like))
+    real_upload, real_plan = TorchOps.from_host, tk._plan_segments
+    monkeypatch.setattr(TorchOps, "from_host", lambda self, a, like: uploads.append(a.shape) or real_upload(self, a, like))
     monkeypatch.setattr(tk, "_plan_segments", lambda *a: planned.append(a[1]) or real_plan(*a))
 
     def plan(cu, seg_len):

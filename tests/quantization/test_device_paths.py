@@ -10,7 +10,8 @@ import pytest
 
 from fastdeploy_ext.config.base import ConfigError, FDConfig, LoadConfig, ParallelConfig, QuantConfig
 from fastdeploy_ext.layers.linear import QKVParallelLinear, RowParallelLinear
-from fastdeploy_ext.layers.moe import FusedMoE, SortedDispatch, TritonExperts
+from fastdeploy_ext.layers.moe import FusedMoE
+from fastdeploy_ext.ops.device.moe import SortedDispatch, TritonExperts
 from fastdeploy_ext.quantization.memory import model_weight_bytes
 
 TOL = {"float32": 1e-5, "float64": 1e-12}

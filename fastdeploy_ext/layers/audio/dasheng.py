@@ -22,8 +22,9 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fastdeploy_ext.config.dasheng import DashengConfig
-from fastdeploy_ext.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, compute_dtype
-from fastdeploy_ext.layers.utils import accum_dtype, create_param, default_weight_loader
+from fastdeploy_ext.layers.backend import accum_dtype, compute_dtype
+from fastdeploy_ext.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from fastdeploy_ext.layers.utils import create_param, default_weight_loader
 
 
 def encoder_dtype(fd_config) -> str:

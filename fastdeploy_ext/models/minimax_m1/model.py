@@ -20,7 +20,9 @@ from fastdeploy_ext.layers.linear_attention import LinearAttention
 from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
-from fastdeploy_ext.layers.utils import WeightLoadError, accum_dtype, backend_of, default_weight_loader, shape_of
+from fastdeploy_ext.layers.backend import accum_dtype
+from fastdeploy_ext.layers.residual import ScaledResidual
+from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
 from fastdeploy_ext.models.base import KVCacheSpec, ModelForCausalLM, StateCacheSpec, TensorRoutes
 from fastdeploy_ext.models.minimax_m1.weights import MINIMAX_IGNORED, STACKED_DOWN, STACKED_GATE_UP, minimax_tensors
@@ -81,7 +83,9 @@ class MiniMaxM1DecoderLayer(nn.Layer):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_id] == LINEAR
         self.postnorm = cfg.postnorm
-        self.attn_alpha, self.attn_beta, self.mlp_alpha, self.mlp_beta = cfg.residual_factors(layer_id)
+        attn_alpha, attn_beta, mlp_alpha, mlp_beta = cfg.residual_factors(layer_id)
+        self.attn_residual = ScaledResidual(fd_config, attn_alpha, attn_beta)
+        self.mlp_residual = ScaledResidual(fd_config, mlp_alpha, mlp_beta)
         self.input_layernorm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.input_layernorm")
         if self.is_linear:
             self.self_attn = LinearAttention(
@@ -94,12 +98,6 @@ class MiniMaxM1DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps,
                                                 f"{prefix}.post_attention_layernorm")
         self.block_sparse_moe = MiniMaxM1MoE(fd_config, cfg, f"{prefix}.block_sparse_moe")
-        if backend_of(fd_config) == "host":
-            from fastdeploy_ext.ops.host.residual import scaled_sum
-
-            self._scaled_sum = scaled_sum
-        else:
-            self._scaled_sum = _scaled_sum
 
     def forward(self, positions, x, forward_meta):
         """``x`` ``[T, hidden]`` → ``[T, hidden]``."""
@@ -108,14 +106,9 @@ class MiniMaxM1DecoderLayer(nn.Layer):
             attn = self.self_attn(a, forward_meta)
         else:
             attn = self.self_attn(positions, a, forward_meta)
-        h = self._scaled_sum(self.attn_alpha, a if self.postnorm else x, self.attn_beta, attn)
+        h = self.attn_residual(a if self.postnorm else x, attn)
         b, _ = self.post_attention_layernorm(h)
-        return self._scaled_sum(self.mlp_alpha, b if self.postnorm else h, self.mlp_beta, self.block_sparse_moe(b))
-
-
-def _scaled_sum(alpha: float, x, beta: float, y):
-    """``alpha * x + beta * y`` (the DeepNorm residual) in x's dtype (Python float scalars do not promote)."""
-    return alpha * x + beta * y
+        return self.mlp_residual(b if self.postnorm else h, self.block_sparse_moe(b))
 
 
 class MiniMaxM1Model(nn.Layer):

@@ -7,6 +7,7 @@ import paddle
 from paddle import nn
 
 from fastdeploy_ext.models.qwen2.config import Qwen2Config
+from fastdeploy_ext.layers.activation import SiluAndMul
 from fastdeploy_ext.layers.attention import Attention
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding, tied_lm_logits
 from fastdeploy_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -23,15 +24,11 @@ class Qwen2MLP(nn.Layer):
             fd_config, f"{prefix}.up_gate_proj", cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size]
         )
         self.down_proj = RowParallelLinear(fd_config, f"{prefix}.down_proj", cfg.intermediate_size, cfg.hidden_size)
-        self.swiglu = nn.functional.swiglu
-        if self.up_gate_proj.host:
-            from fastdeploy_ext.ops.host.activation import swiglu
-
-            self.swiglu = swiglu
+        self.act_fn = SiluAndMul(fd_config)
 
     def forward(self, x):
         # swiglu splits the last dim in halves: silu(gate) * up, one kernel.
-        return self.down_proj(self.swiglu(self.up_gate_proj(x)))
+        return self.down_proj(self.act_fn(self.up_gate_proj(x)))
 
 
 class Qwen2Attention(nn.Layer):

@@ -1,8 +1,7 @@
 """``fused_moe``: the Triton expert block on torch or Paddle tensors (README.md has the math and the layout).
 
-torch tensors launch directly; Paddle tensors through the lightning launcher's ``PaddleOps`` (the compat layer
-on a GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU; fastdeploy_conventions.md §9).
-Imports neither framework at import time.
+torch and Paddle tensors launch through ``fastdeploy_ext/ops/launch.py`` (for Paddle: the compat layer on a GPU,
+zero-copy torch views or the host-tensor interpreter patch on the CPU). Imports neither framework at import time.
 """
 
 from dataclasses import dataclass, field
@@ -10,9 +9,10 @@ from dataclasses import dataclass, field
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fastdeploy_ext.ops import launch
 from fastdeploy_ext.ops.fused_moe import triton_kernels as tk
 from fastdeploy_ext.ops.fused_moe.selection import up_half_aligned
-from fastdeploy_ext.ops.lightning_attn import launcher
+from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
 
 __all__ = ["GemmConfig", "MoEConfig", "align_block", "default_config", "fused_moe", "max_tiles"]
 
@@ -117,7 +117,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
     all torch or all Paddle. ``out`` (``[T, hidden]`` float32 or bfloat16) is overwritten entirely; by default
     one of ``x``'s dtype is returned. ``config``: a :class:`MoEConfig` (default: :func:`default_config`).
     """
-    ops = _ops_for(x)
+    ops = launch.ops_for(x, "x")
     num_tokens, hidden, num_experts, inter, top_k, int8 = _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights,
                                                                  up_gate_scale, down_scale)
     out = _check_out(ops, out, x, (num_tokens, hidden))
@@ -129,7 +129,7 @@ def fused_moe(x, up_gate_w, down_w, topk_ids, topk_weights, *, up_gate_scale=Non
         raise ValueError("config.down.joined: only the gate/up GEMM has two halves to join")
     if cfg.align_block is not None and (cfg.align_block < 16 or cfg.align_block & (cfg.align_block - 1)):
         raise ValueError(f"config.align_block must be a power of two of at least 16, got {cfg.align_block}")
-    interp = launcher.interpreter_enabled()
+    interp = launch.interpreter_enabled()
     # griddepcontrol is sm_90 PTX; the interpreter has no grids to overlap.
     pdl = cfg.pdl and not interp and (ops.capability(x) or (0, 0)) >= (9, 0)
     pdl_meta = dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
@@ -238,12 +238,10 @@ def _rows_desc(ops, a, g):
 
 
 def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, down_scale):
-    if not ops.is_cuda(x) and not (ops.is_cpu(x) and launcher.interpreter_enabled()):
-        raise ValueError(f"x is on {ops.device_key(x)}: the kernels need a CUDA device, or CPU tensors with "
-                         "TRITON_INTERPRET=1")
+    launch.check_device(ops, x, "x")
     named = {"x": x, "up_gate_w": up_gate_w, "down_w": down_w, "topk_ids": topk_ids, "topk_weights": topk_weights}
     for name, t in named.items():
-        _check_tensor(ops, t, name, x)
+        launch.check_tensor(ops, t, name, x, "x")
     if len(x.shape) != 2 or _dtype_name(x) not in _FLOAT_DTYPES:
         raise ValueError(f"x must be float32 or bfloat16 [tokens, hidden], got {_dtype_name(x)} {list(x.shape)}")
     num_tokens, hidden = (int(s) for s in x.shape)
@@ -271,7 +269,7 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
         for name, s, width in (("up_gate_scale", up_gate_scale, 2 * inter), ("down_scale", down_scale, hidden)):
             if s is None:
                 raise ValueError(f"int8 experts need {name} (float32 [E, 1, {width}])")
-            _check_tensor(ops, s, name, x)
+            launch.check_tensor(ops, s, name, x, "x")
             if list(s.shape) != [num_experts, 1, width] or _dtype_name(s) != "float32":
                 raise ValueError(f"{name} must be float32 [{num_experts}, 1, {width}], got {_dtype_name(s)} "
                                  f"{list(s.shape)}")
@@ -291,104 +289,13 @@ def _check(ops, x, up_gate_w, down_w, topk_ids, topk_weights, up_gate_scale, dow
     return num_tokens, hidden, num_experts, inter, top_k, int8
 
 
-def _check_tensor(ops, t, name, like):
-    if not ops.owns(t):
-        raise ValueError(f"{name} must be a {ops.name} tensor like x, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if ops.device_key(t) != ops.device_key(like):
-        raise ValueError(f"{name} is on {ops.device_key(t)} but x is on {ops.device_key(like)}")
-
-
 def _check_out(ops, out, x, shape):
     if out is None:
         return ops.empty(list(shape), _dtype_name(x), x)
-    _check_tensor(ops, out, "out", x)
+    launch.check_tensor(ops, out, "out", x, "x")
     if tuple(int(s) for s in out.shape) != shape or _dtype_name(out) not in _FLOAT_DTYPES:
         raise ValueError(f"out must be float32 or bfloat16 {list(shape)}, got {_dtype_name(out)} {list(out.shape)}")
     return out
-
-
-def _ops_for(x):
-    if launcher.is_paddle_tensor(x):
-        return _PaddleOps()
-    if type(x).__module__.startswith("torch"):
-        return _TorchOps()
-    raise ValueError(f"x must be a torch.Tensor or paddle.Tensor, got {type(x).__name__}")
-
-
-class _PaddleOps(launcher.PaddleOps):
-    def desc_base(self, t):
-        # A descriptor's base is no top-level argument, so PaddleOps.launch cannot swap it for a torch view, and
-        # TensorDescriptor reads dtype.itemsize, which Paddle dtypes lack: hand it a zero-copy torch view, or
-        # without torch a stand-in with the tensor's address and dtype.
-        if launcher.torch_installed():
-            import torch
-
-            return torch.from_dlpack(t)
-        return _PaddleBase(t)
-
-
-class _PaddleBase:
-    def __init__(self, t):
-        self.tensor, self.dtype = t, _PaddleDtype(t.dtype, t.element_size())
-
-    def data_ptr(self):
-        return self.tensor.data_ptr()
-
-
-class _PaddleDtype:
-    def __init__(self, dtype, itemsize):
-        self.dtype, self.itemsize = dtype, itemsize
-
-    def __str__(self):
-        return str(self.dtype)
-
-
-class _TorchOps:
-    name = "torch"
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def desc_base(self, t):
-        return t
-
-    def owns(self, t):
-        return isinstance(t, self.torch.Tensor)
-
-    def is_cuda(self, t):
-        return t.device.type == "cuda"
-
-    def is_cpu(self, t):
-        return t.device.type == "cpu"
-
-    def capability(self, t):
-        if not self.is_cuda(t) or launcher.interpreter_enabled():
-            return None
-        return tuple(self.torch.cuda.get_device_capability(t.device))
-
-    def device_key(self, t):
-        return t.device
-
-    def empty(self, shape, dtype_name, like):
-        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
-
-    def num_sms(self, t):
-        if not self.is_cuda(t):
-            return None
-        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
-
-    def launch(self, kernel, grid, args, **meta):
-        if launcher.interpreter_enabled():
-            launcher.patch_interpreter_scalar_index()
-        kernel[grid](*args, **meta)
-
-
-def _dtype_name(t):
-    return str(t.dtype).rsplit(".", 1)[-1]
 
 
 def _cdiv(a, b):

@@ -6,7 +6,7 @@ import numpy as np
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.host_threads import run_chunked
+from fastdeploy_ext.ops.host_threads import run_chunked
 
 
 def swiglu(x):

@@ -1,5 +1,5 @@
 """Paged softmax attention on the host (CPU float32), over the cache layout and step metadata of
-``fastdeploy_ext/layers/attention.py``.
+``fastdeploy_ext/layers/attention_metadata.py``; the device backend's is ``fastdeploy_ext/ops/device/attention.py``.
 
 The gathers, scatters and head transposes run in NumPy on the tensors' own memory (DLPack, zero-copy):
 Paddle's CPU gather and transpose kernels are 3-10x slower than a memcpy. Decodes are computed per
@@ -23,11 +23,6 @@ _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 _PREFILL_TILE = 128
 
 
-def take_rows(cache: paddle.Tensor, index: np.ndarray) -> paddle.Tensor:
-    """``cache[:, index]`` → ``[kv_heads, len(index), D]``."""
-    return dlpack.from_dlpack(np.take(host_view(cache), index, axis=1))
-
-
 def take_blocks(cache: paddle.Tensor, blocks: np.ndarray, block_size: int) -> np.ndarray:
     """Whole pages ``blocks`` of every head → ``[kv_heads, len(blocks) * block_size, D]``. Copying
     contiguous pages instead of scattered 256-byte rows keeps the gather at memcpy speed however
@@ -42,25 +37,8 @@ def write_rows(cache: paddle.Tensor, index: np.ndarray, values: paddle.Tensor) -
     host_view(cache)[:, index] = host_view(values).transpose(1, 0, 2)
 
 
-def copy_rows(cache: paddle.Tensor, src: np.ndarray, dst: np.ndarray) -> None:
-    """``cache[:, dst] = cache[:, src]`` (an ``n > 1`` sibling's prompt pages)."""
-    h = host_view(cache)
-    h[:, dst] = h[:, src]
-
-
-def zero_slots(pool: paddle.Tensor, slots: list) -> None:
-    """Zero the recurrent states ``pool[slots]`` (Paddle's indexed assignment took 4 ms per layer for 32 slots)."""
-    host_view(pool)[slots] = 0.0
-
-
-def copy_slots(pool: paddle.Tensor, src: list, dst: list) -> None:
-    """``pool[dst] = pool[src]`` (prefix snapshots, an ``n > 1`` sibling's state)."""
-    h = host_view(pool)
-    h[dst] = h[src]
-
-
 class HostAttention:
-    """Causal GQA attention of one layer over its paged cache (see ``layers/attention.py``)."""
+    """Causal GQA attention of one layer over its paged cache (see ``layers/attention_metadata.py``)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from fastdeploy_ext.ops.host.host_threads import host_threads, run_parallel
+from fastdeploy_ext.ops.host_threads import host_threads, run_parallel
 
 # Below this many multiply-adds a product runs on the calling thread (a hand-off costs ~20-40 us).
 _SPLIT_MIN_WORK = 1 << 21

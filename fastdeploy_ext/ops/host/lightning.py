@@ -14,7 +14,7 @@ import numpy as np
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import cpu_gemm, host_view
-from fastdeploy_ext.ops.host.host_threads import run_chunked
+from fastdeploy_ext.ops.host_threads import run_chunked
 
 __all__ = ["HostLightning", "decay", "decode_host", "prefill_host", "silu_host"]
 

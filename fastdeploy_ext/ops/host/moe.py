@@ -12,22 +12,11 @@ import paddle
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import cpu_gemm, host_view
-from fastdeploy_ext.ops.host.host_threads import run_chunked
+from fastdeploy_ext.ops.host_threads import run_chunked
+from fastdeploy_ext.ops.moe_routing import route
 
 # Padding rows a batched expert matmul may add (see HostMoE._forward_segments).
 _MAX_PAD_ROWS = 256
-
-
-def route(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
-    """fp32 softmax over the experts, top-k (ties to the lower expert id), optionally renormalised:
-    ``(expert ids [T, k], weights [T, k])``."""
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    top_i = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    top_w = np.take_along_axis(probs, top_i, axis=-1)
-    if renormalize:
-        top_w /= top_w.sum(axis=-1, keepdims=True)
-    return top_i, top_w
 
 
 class HostMoE:

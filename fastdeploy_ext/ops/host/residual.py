@@ -4,7 +4,7 @@ import numpy as np
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.host_threads import run_chunked
+from fastdeploy_ext.ops.host_threads import run_chunked
 
 # Rows from which the residual sum runs in NumPy: [T, 512] fp32, 2 threads, Paddle's three ops vs NumPy's
 # passes plus the DLPack round trips: 64 rows 19 vs 42 us, 256 rows 163 vs 169 us, 2048 rows 4.4 vs 1.0 ms.

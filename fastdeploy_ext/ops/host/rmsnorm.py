@@ -3,7 +3,7 @@
 Paddle's fused ``fused_rms_norm`` CPU kernel is built with AVX-512 instructions and
 dies with SIGILL on CPUs without them (every AMD part before Zen 4, Intel client parts since Alder Lake), so
 the host backend does not use it. This is the same arithmetic as the plain ops of
-``fastdeploy_ext.layers.normalization.rms_norm``: ``s = x + residual``; ``s * rsqrt(mean(s^2) + eps) * weight``,
+``fastdeploy_ext.ops.device.rmsnorm.rms_norm``: ``s = x + residual``; ``s * rsqrt(mean(s^2) + eps) * weight``,
 statistics and result in float32. NumPy picks its SIMD path at run time from the CPU's features.
 """
 
@@ -16,7 +16,7 @@ import paddle
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.host_threads import run_chunked
+from fastdeploy_ext.ops.host_threads import run_chunked
 
 
 # Elements from which the NumPy passes beat Paddle's plain ops: below it the DLPack round trips (about 25 us)

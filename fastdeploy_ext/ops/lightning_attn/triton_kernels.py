@@ -2,7 +2,7 @@
 
 Same contract as ``reference.py`` (see that module and README.md for the math). The ``@triton.jit``
 bodies take pointers, strides folded into contiguous layouts, and constexpr flags only; the Python
-wrappers accept torch tensors directly and Paddle tensors through ``launcher.PaddleOps``. This module
+wrappers accept torch or Paddle tensors through ``fastdeploy_ext/ops/launch.py``. This module
 imports neither torch nor Paddle at import time.
 
 Prefill runs in up to three launches so that few long sequences still fill the GPU:
@@ -23,7 +23,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fastdeploy_ext.ops.lightning_attn import checks, launcher
+from fastdeploy_ext.ops import launch
+from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
+from fastdeploy_ext.ops.lightning_attn import checks
 
 __all__ = ["lightning_attn_prefill", "lightning_attn_decode", "LaunchConfig", "SUPPORTED_HEAD_DIMS"]
 
@@ -370,7 +372,7 @@ def lightning_attn_prefill(
     Returns:
         ``out``, ``[total_tokens, H, D]``.
     """
-    ops = _ops_for(q)
+    ops = launch.ops_for(q, "q")
     total, num_heads, head_dim = _check_qkv(ops, q, k, v)
     _check_vector(ops, slopes, "slopes", "float32", num_heads, q)
     num_slots = _check_pool(ops, state_pool, num_heads, head_dim, q)
@@ -414,7 +416,7 @@ def lightning_attn_prefill(
     if seg.shape[0] > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
         raise ValueError(f"{seg.shape[0]} segments x {num_heads} heads exceed the launch grid; raise segment_len")
 
-    dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launcher.interpreter_enabled()
+    dot_bf16 = _dtype_name(q) == "bfloat16" and precision == "tf32" and not launch.interpreter_enabled()
     buf = ops.empty((max(n_buf, 1), num_heads, head_dim, head_dim), "float32", q)
     if jobs.shape[0] and cfg.gluon and _dtype_name(q) == "float32":
         _gluon().segment_state(k, v, slopes, buf, jobs_t, jobs.shape[0], block_size=block_size, launch=ops.launch)
@@ -480,7 +482,7 @@ def lightning_attn_decode(q, k, v, slopes, state_pool, slot_ids, *, check_slots=
     Returns:
         ``out``, ``[B, H, D]``.
     """
-    ops = _ops_for(q)
+    ops = launch.ops_for(q, "q")
     batch, num_heads, head_dim = _check_qkv(ops, q, k, v)
     _check_vector(ops, slopes, "slopes", "float32", num_heads, q)
     num_slots = _check_pool(ops, state_pool, num_heads, head_dim, q)
@@ -615,94 +617,16 @@ def _gluon():
     return gluon_kernels
 
 
-def _ops_for(q):
-    if launcher.is_paddle_tensor(q):
-        return launcher.PaddleOps()
-    if type(q).__module__.startswith("torch"):
-        return _TorchOps()
-    raise ValueError(f"q must be a torch.Tensor or paddle.Tensor, got {type(q).__name__}")
-
-
-class _TorchOps:
-    name = "torch"
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def owns(self, t):
-        return isinstance(t, self.torch.Tensor)
-
-    def is_cuda(self, t):
-        return t.device.type == "cuda"
-
-    def is_cpu(self, t):
-        return t.device.type == "cpu"
-
-    def device_key(self, t):
-        return t.device
-
-    def to_host(self, t):
-        return t.detach().cpu().numpy()
-
-    def from_host(self, array, like):
-        return self.torch.from_numpy(np.ascontiguousarray(array)).to(like.device)
-
-    def empty(self, shape, dtype_name, like):
-        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
-
-    def num_sms(self, t):
-        if not self.is_cuda(t):
-            return None
-        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
-
-    def capability(self, t):
-        if not self.is_cuda(t) or launcher.interpreter_enabled():
-            return None
-        return tuple(self.torch.cuda.get_device_capability(t.device))
-
-    def is_capturing(self, t):
-        return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()
-
-    def launch(self, kernel, grid, args, **meta):
-        if launcher.interpreter_enabled():
-            launcher.patch_interpreter_scalar_index()
-        kernel[grid](*args, **meta)
-
-
 def _host_array(x):
     if hasattr(x, "numpy"):
         return x.numpy()
     return np.asarray(x)
 
 
-_DTYPE_NAMES = {}
-
-
-def _dtype_name(t):
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).rsplit(".", 1)[-1]
-    return name
-
-
-def _check_tensor(ops, t, name, like):
-    if not ops.owns(t):
-        raise ValueError(f"{name} must be a {ops.name} tensor like q, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if ops.device_key(t) != ops.device_key(like):
-        raise ValueError(f"{name} is on {ops.device_key(t)} but q is on {ops.device_key(like)}")
-
-
 def _check_qkv(ops, q, k, v):
-    if not ops.is_cuda(q) and not (ops.is_cpu(q) and launcher.interpreter_enabled()):
-        raise ValueError(
-            f"q is on {ops.device_key(q)}: the kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1"
-        )
+    launch.check_device(ops, q, "q")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_tensor(ops, t, name, q)
+        launch.check_tensor(ops, t, name, q, "q")
         if len(t.shape) != 3:
             raise ValueError(f"{name} must be [tokens, H, D], got shape {list(t.shape)}")
         if _dtype_name(t) not in _DTYPES:
@@ -718,14 +642,14 @@ def _check_qkv(ops, q, k, v):
 
 
 def _check_vector(ops, t, name, dtype_name, length, like):
-    _check_tensor(ops, t, name, like)
+    launch.check_tensor(ops, t, name, like, "q")
     if len(t.shape) != 1 or _dtype_name(t) != dtype_name or (length is not None and t.shape[0] != length):
         want = f"[{length}]" if length is not None else "1-D"
         raise ValueError(f"{name} must be {want} {dtype_name}, got {_dtype_name(t)} shape {list(t.shape)}")
 
 
 def _check_pool(ops, pool, num_heads, head_dim, like):
-    _check_tensor(ops, pool, "state_pool", like)
+    launch.check_tensor(ops, pool, "state_pool", like, "q")
     want = [num_heads, head_dim, head_dim]
     if len(pool.shape) != 4 or list(pool.shape[1:]) != want or _dtype_name(pool) != "float32":
         raise ValueError(
@@ -738,7 +662,7 @@ def _check_pool(ops, pool, num_heads, head_dim, like):
 def _check_or_make_out(ops, out, like, shape):
     if out is None:
         return ops.empty(shape, _dtype_name(like), like)
-    _check_tensor(ops, out, "out", like)
+    launch.check_tensor(ops, out, "out", like, "q")
     if tuple(out.shape) != shape or _dtype_name(out) not in _DTYPES:
         raise ValueError(f"out must be float32 or bfloat16 {list(shape)}, got {_dtype_name(out)} {list(out.shape)}")
     return out

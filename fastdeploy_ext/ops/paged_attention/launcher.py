@@ -1,13 +1,13 @@
 """``paged_decode`` and ``paged_prefill``: the Triton kernels on torch or Paddle tensors (README.md has the math and
 the layout).
 
-torch tensors launch directly; Paddle tensors through the lightning launcher's ``PaddleOps`` (the compat layer on a
-GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU; fastdeploy_conventions.md §9). Imports
-neither framework at import time. Nothing here reads a device tensor back: the host values that size a launch (the
+torch and Paddle tensors launch through ``fastdeploy_ext/ops/launch.py`` (for Paddle: the compat layer on a GPU,
+zero-copy torch views or the host-tensor interpreter patch on the CPU). Imports neither framework at import time. Nothing here reads a device tensor back: the host values that size a launch (the
 longest context, the longest chunk) come from the caller or from shapes.
 """
 
-from fastdeploy_ext.ops.lightning_attn import launcher
+from fastdeploy_ext.ops import launch
+from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
 from fastdeploy_ext.ops.paged_attention import triton_kernels as tk
 from fastdeploy_ext.ops.paged_attention.configs import (DecodeConfig, PrefillConfig, _cdiv, _next_pow2,
                                                         decode_splits, decode_workspace_bytes, default_decode_config,
@@ -35,9 +35,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     CPU under ``TRITON_INTERPRET=1``), all torch or all Paddle. ``max_seq_len``: the longest ``seq_lens`` entry as
     a host int (sizes the split; default ``max_pages * page_size``: nothing is read back from the device). ``out``
     (q's shape and dtype): rows ``[0, B)`` are overwritten, others left as they are; returned."""
-    ops = _ops_for(q)
+    ops = launch.ops_for(q, "q")
     rows, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
-    _check_tensor(ops, seq_lens, "seq_lens", q)
+    launch.check_tensor(ops, seq_lens, "seq_lens", q, "q")
     _check_index_vector(ops, seq_lens, "seq_lens", None, q)
     batch = int(seq_lens.shape[0])
     if batch > rows:
@@ -50,7 +50,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale, page_siz
     out = _check_out(ops, out, q)
     if batch == 0:
         return out
-    interp = launcher.interpreter_enabled()
+    interp = launch.interpreter_enabled()
     num_sms = None if interp else ops.num_sms(q)
     cfg = config or default_decode_config(batch, num_kv_heads, num_sms)
     split_len, num_splits = decode_splits(batch, num_kv_heads, max_len, num_sms, cfg)
@@ -92,9 +92,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
     ``ctx_lens`` ``[B]`` int32/int64. ``max_q_len``: the longest chunk as a host int (default ``T``);
     ``max_ctx_len``: the longest context as a host int, if known (only picks the default tiles). ``out``
     ``[T, Hq, D]`` of q's dtype: rows inside the chunks are overwritten, others left as they are."""
-    ops = _ops_for(q)
+    ops = launch.ops_for(q, "q")
     total, num_heads, head_dim, num_kv_heads = _check_q_cache(ops, q, k_cache, v_cache, page_size, 3)
-    _check_tensor(ops, cu_seqlens_q, "cu_seqlens_q", q)
+    launch.check_tensor(ops, cu_seqlens_q, "cu_seqlens_q", q, "q")
     if len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1 or _dtype_name(cu_seqlens_q) not in _INDEX_DTYPES:
         raise ValueError(f"cu_seqlens_q must be int32/int64 [B + 1], got {_dtype_name(cu_seqlens_q)} "
                          f"{list(cu_seqlens_q.shape)}")
@@ -107,7 +107,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, ctx_lens, *, 
         raise ValueError(f"max_q_len {longest} exceeds q's {total} rows")
     if batch == 0 or longest == 0:
         return out
-    interp = launcher.interpreter_enabled()
+    interp = launch.interpreter_enabled()
     cfg = config or default_prefill_config(_dtype_name(q), head_dim, interp, _cdiv(longest, 128) * num_heads * batch,
                                            None if interp else ops.num_sms(q), max_ctx_len, longest)
     if batch > _MAX_GRID_YZ or num_heads > _MAX_GRID_YZ:
@@ -146,11 +146,9 @@ def _precision(q, interp):
 
 
 def _check_q_cache(ops, q, k_cache, v_cache, page_size, q_rank):
-    if not ops.is_cuda(q) and not (ops.is_cpu(q) and launcher.interpreter_enabled()):
-        raise ValueError(f"q is on {ops.device_key(q)}: the kernels need a CUDA device, or CPU tensors with "
-                         "TRITON_INTERPRET=1")
+    launch.check_device(ops, q, "q")
     for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check_tensor(ops, t, name, q)
+        launch.check_tensor(ops, t, name, q, "q")
     if len(q.shape) != q_rank or _dtype_name(q) not in _FLOAT_DTYPES:
         raise ValueError(f"q must be float32, bfloat16 or float16 [tokens, Hq, D], got {_dtype_name(q)} "
                          f"{list(q.shape)}")
@@ -173,7 +171,7 @@ def _check_q_cache(ops, q, k_cache, v_cache, page_size, q_rank):
 
 
 def _check_table(ops, block_tables, batch, like):
-    _check_tensor(ops, block_tables, "block_tables", like)
+    launch.check_tensor(ops, block_tables, "block_tables", like, "q")
     if len(block_tables.shape) != 2 or int(block_tables.shape[0]) != batch or \
             _dtype_name(block_tables) not in _INDEX_DTYPES:
         raise ValueError(f"block_tables must be int32/int64 [{batch}, max_pages], got {_dtype_name(block_tables)} "
@@ -182,7 +180,7 @@ def _check_table(ops, block_tables, batch, like):
 
 
 def _check_index_vector(ops, t, name, length, like):
-    _check_tensor(ops, t, name, like)
+    launch.check_tensor(ops, t, name, like, "q")
     if len(t.shape) != 1 or (length is not None and int(t.shape[0]) != length) or \
             _dtype_name(t) not in _INDEX_DTYPES:
         raise ValueError(f"{name} must be int32/int64 [{'B' if length is None else length}], got {_dtype_name(t)} "
@@ -192,97 +190,10 @@ def _check_index_vector(ops, t, name, length, like):
 def _check_out(ops, out, q):
     if out is None:
         return ops.empty(list(q.shape), _dtype_name(q), q)
-    _check_tensor(ops, out, "out", q)
+    launch.check_tensor(ops, out, "out", q, "q")
     if list(out.shape) != list(q.shape) or _dtype_name(out) != _dtype_name(q):
         raise ValueError(f"out must be {_dtype_name(q)} {list(q.shape)}, got {_dtype_name(out)} {list(out.shape)}")
     return out
-
-
-def _check_tensor(ops, t, name, like):
-    if not ops.owns(t):
-        raise ValueError(f"{name} must be a {ops.name} tensor like q, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if ops.device_key(t) != ops.device_key(like):
-        raise ValueError(f"{name} is on {ops.device_key(t)} but q is on {ops.device_key(like)}")
-
-
-def _ops_for(q):
-    if launcher.is_paddle_tensor(q):
-        return _PaddleOps()
-    if type(q).__module__.startswith("torch"):
-        return _TorchOps()
-    raise ValueError(f"q must be a torch.Tensor or paddle.Tensor, got {type(q).__name__}")
-
-
-class _PaddleOps(launcher.PaddleOps):
-    def desc_base(self, t):
-        # A descriptor's base is no top-level argument, so PaddleOps.launch cannot swap it for a torch view, and
-        # TensorDescriptor reads dtype.itemsize, which Paddle dtypes lack: a zero-copy torch view, or without torch
-        # a stand-in with the tensor's address and dtype (as ops/fused_moe/launcher.py does).
-        if launcher.torch_installed():
-            import torch
-
-            return torch.from_dlpack(t)
-        return _PaddleBase(t)
-
-
-class _PaddleBase:
-    def __init__(self, t):
-        self.tensor, self.dtype = t, _PaddleDtype(t.dtype, t.element_size())
-
-    def data_ptr(self):
-        return self.tensor.data_ptr()
-
-
-class _PaddleDtype:
-    def __init__(self, dtype, itemsize):
-        self.dtype, self.itemsize = dtype, itemsize
-
-    def __str__(self):
-        return str(self.dtype)
-
-
-class _TorchOps:
-    name = "torch"
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def desc_base(self, t):
-        return t
-
-    def capability(self, t):
-        if not self.is_cuda(t) or launcher.interpreter_enabled():
-            return None
-        return tuple(self.torch.cuda.get_device_capability(t.device))
-
-    def owns(self, t):
-        return isinstance(t, self.torch.Tensor)
-
-    def is_cuda(self, t):
-        return t.device.type == "cuda"
-
-    def is_cpu(self, t):
-        return t.device.type == "cpu"
-
-    def device_key(self, t):
-        return t.device
-
-    def empty(self, shape, dtype_name, like):
-        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
-
-    def num_sms(self, t):
-        if not self.is_cuda(t):
-            return None
-        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
-
-    def launch(self, kernel, grid, args, **meta):
-        if launcher.interpreter_enabled():
-            launcher.patch_interpreter_scalar_index()
-        kernel[grid](*args, **meta)
 
 
 def _s(t, dim):
@@ -292,7 +203,3 @@ def _s(t, dim):
     for size in t.shape[dim + 1:]:
         stride *= int(size)
     return stride
-
-
-def _dtype_name(t):
-    return str(t.dtype).rsplit(".", 1)[-1]

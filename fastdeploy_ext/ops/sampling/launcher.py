@@ -1,6 +1,6 @@
 """``sample_rows``: the Triton sampler on torch or Paddle tensors (README.md has the math and the layout).
 
-torch tensors launch directly; Paddle tensors through the lightning launcher's ``PaddleOps`` (the compat layer on
+torch and Paddle tensors launch through ``fastdeploy_ext/ops/launch.py`` (for Paddle: the compat layer on
 a GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU). One host-to-device copy of the
 per-row parameters (plus one for the penalty/bias entries and one for the grammar masks when a row has them) and
 one device-to-host copy of the results per call. Imports neither framework at import time.
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdeploy_ext.ops.lightning_attn import launcher
-from fastdeploy_ext.ops.lightning_attn.triton_kernels import _TorchOps
+from fastdeploy_ext.ops import launch
+from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
 from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
 __all__ = ["SamplingBatch", "SamplingOutput", "sample_rows"]
@@ -162,7 +162,7 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
     """Sample one token per row of ``batch`` from ``logits`` ``[N, V]`` (float32 or bfloat16, rows contiguous; a
     CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``; torch or Paddle). ``chunk`` logits per program of the
     row-parallel passes (a multiple of ``block``). Returns a :class:`SamplingOutput` on the host."""
-    ops = _ops_for(logits)
+    ops = launch.ops_for(logits, "logits")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
     num_rows, vocab = (int(s) for s in logits.shape)
@@ -232,18 +232,6 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
                           params[:, F_NLP].copy())
 
 
-def _ops_for(logits):
-    if launcher.is_paddle_tensor(logits):
-        return launcher.PaddleOps()
-    if type(logits).__module__.startswith("torch"):
-        return _TorchOps()
-    raise ValueError(f"logits must be a torch.Tensor or paddle.Tensor, got {type(logits).__name__}")
-
-
 def _row_stride(t):
     stride = t.stride()[0] if callable(getattr(t, "stride", None)) else t.strides[0]
     return int(stride)
-
-
-def _dtype_name(t):
-    return str(t.dtype).rsplit(".", 1)[-1]

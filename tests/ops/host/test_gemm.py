@@ -7,7 +7,7 @@ import pytest
 from fastdeploy_ext.ops.host.activation import swiglu
 from fastdeploy_ext.ops.host.copy import copy_into
 from fastdeploy_ext.ops.host.gemm import matmul_into
-from fastdeploy_ext.ops.host.host_threads import host_threads, set_host_threads
+from fastdeploy_ext.ops.host_threads import host_threads, set_host_threads
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

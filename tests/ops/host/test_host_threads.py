@@ -6,7 +6,7 @@ import numpy as np
 
 import pytest
 
-from fastdeploy_ext.ops.host import host_threads
+from fastdeploy_ext.ops import host_threads
 
 
 @pytest.fixture

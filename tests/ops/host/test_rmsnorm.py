@@ -8,7 +8,7 @@ import paddle
 import pytest
 import torch
 
-from fastdeploy_ext.ops.host import cpu_features
+from fastdeploy_ext.ops import cpu_features
 from fastdeploy_ext.ops.host.rmsnorm import _NUMPY_MIN_ELEMENTS, rms_norm_residual
 
 EPS = 1e-6

@@ -1,8 +1,11 @@
-"""Run the Triton kernels on Paddle tensors (fastdeploy_conventions.md §9, environment.md §7).
+"""Launch Triton kernels on torch or Paddle tensors: the one adapter every op's launcher uses
+(``ops/fused_moe/launcher.py``, ``ops/lightning_attn/triton_kernels.py``, ``ops/paged_attention/launcher.py``,
+``ops/sampling/launcher.py``), with the argument checks they share (docs/gpu.md has the GPU side).
 
-Triton's launcher only needs ``data_ptr()`` and a dtype whose name ends in a Triton type name, which
-Paddle tensors have. What Paddle lacks is torch, which Triton's CUDA driver imports for the current
-device and stream, and which the CPU interpreter uses to copy arguments to the host:
+torch tensors launch directly (:class:`TorchOps`). Triton's launcher only needs ``data_ptr()`` and a dtype whose
+name ends in a Triton type name, which Paddle tensors have; what Paddle lacks is torch, which Triton's CUDA driver
+imports for the current device and stream, and which the CPU interpreter uses to copy arguments to the host
+(:class:`PaddleOps`):
 
 - GPU, torch not installed: ``paddle.enable_compat(scope={"triton"})`` once, so ``import torch`` inside
   Triton resolves to Paddle and kernels run on Paddle's current stream.
@@ -11,7 +14,7 @@ device and stream, and which the CPU interpreter uses to copy arguments to the h
 - CPU under ``TRITON_INTERPRET=1``: with torch, hand Triton zero-copy ``torch.from_dlpack`` views; without
   torch, :func:`patch_interpreter_for_host_tensors` makes the interpreter use the tensors as they are.
 
-This module imports Paddle lazily so that ``triton_kernels`` imports without Paddle installed.
+Imports neither framework at import time, so that kernel modules import without Paddle or torch installed.
 """
 
 import importlib.util
@@ -21,8 +24,13 @@ import numpy as np
 
 __all__ = [
     "PaddleOps",
+    "TorchOps",
+    "check_device",
+    "check_tensor",
+    "dtype_name",
     "interpreter_enabled",
     "is_paddle_tensor",
+    "ops_for",
     "patch_interpreter_for_host_tensors",
     "patch_interpreter_scalar_index",
     "torch_installed",
@@ -138,6 +146,16 @@ class PaddleOps:
         # check_slots=False (documented on lightning_attn_decode).
         return False
 
+    def desc_base(self, t):
+        """A TMA descriptor's base. A descriptor is no top-level argument, so :meth:`launch` cannot swap it for a torch
+        view, and ``TensorDescriptor`` reads ``dtype.itemsize``, which Paddle dtypes lack: a zero-copy torch view, or
+        without torch a stand-in with the tensor's address and dtype."""
+        if torch_installed():
+            import torch
+
+            return torch.from_dlpack(t)
+        return _PaddleBase(t)
+
     def launch(self, kernel, grid, args, **meta):
         if self.is_cpu(_first_tensor(args)):
             patch_interpreter_scalar_index()
@@ -174,3 +192,109 @@ def _first_tensor(args):
 def interpreter_enabled():
     """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class _PaddleBase:
+    def __init__(self, t):
+        self.tensor, self.dtype = t, _PaddleDtype(t.dtype, t.element_size())
+
+    def data_ptr(self):
+        return self.tensor.data_ptr()
+
+
+class _PaddleDtype:
+    def __init__(self, dtype, itemsize):
+        self.dtype, self.itemsize = dtype, itemsize
+
+    def __str__(self):
+        return str(self.dtype)
+
+
+class TorchOps:
+    """The same framework hooks for torch tensors."""
+
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def owns(self, t):
+        return isinstance(t, self.torch.Tensor)
+
+    def is_cuda(self, t):
+        return t.device.type == "cuda"
+
+    def is_cpu(self, t):
+        return t.device.type == "cpu"
+
+    def device_key(self, t):
+        return t.device
+
+    def to_host(self, t):
+        return t.detach().cpu().numpy()
+
+    def from_host(self, array, like):
+        return self.torch.from_numpy(np.ascontiguousarray(array)).to(like.device)
+
+    def empty(self, shape, dtype_name, like):
+        return self.torch.empty(tuple(shape), dtype=getattr(self.torch, dtype_name), device=like.device)
+
+    def num_sms(self, t):
+        if not self.is_cuda(t):
+            return None
+        return self.torch.cuda.get_device_properties(t.device).multi_processor_count
+
+    def capability(self, t):
+        if not self.is_cuda(t) or interpreter_enabled():
+            return None
+        return tuple(self.torch.cuda.get_device_capability(t.device))
+
+    def is_capturing(self, t):
+        return self.is_cuda(t) and self.torch.cuda.is_current_stream_capturing()
+
+    def desc_base(self, t):
+        return t
+
+    def launch(self, kernel, grid, args, **meta):
+        if interpreter_enabled():
+            patch_interpreter_scalar_index()
+        kernel[grid](*args, **meta)
+
+
+def ops_for(t, name: str):
+    """The hooks for ``t``'s framework; ``name`` is the argument's name in the error for anything else."""
+    if is_paddle_tensor(t):
+        return PaddleOps()
+    if type(t).__module__.startswith("torch"):
+        return TorchOps()
+    raise ValueError(f"{name} must be a torch.Tensor or paddle.Tensor, got {type(t).__name__}")
+
+
+_DTYPE_NAMES = {}
+
+
+def dtype_name(t) -> str:
+    """``"float32"``, ``"bfloat16"``, ... for a torch or Paddle tensor (their dtypes print differently)."""
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[t.dtype] = str(t.dtype).rsplit(".", 1)[-1]
+    return name
+
+
+def check_device(ops, t, name: str) -> None:
+    """The kernels run on a CUDA device, or on the CPU under the interpreter."""
+    if not ops.is_cuda(t) and not (ops.is_cpu(t) and interpreter_enabled()):
+        raise ValueError(f"{name} is on {ops.device_key(t)}: the kernels need a CUDA device, or CPU tensors with "
+                         "TRITON_INTERPRET=1")
+
+
+def check_tensor(ops, t, name: str, like, like_name: str) -> None:
+    """``t`` (argument ``name``) is a contiguous tensor of ``like``'s framework on ``like``'s device."""
+    if not ops.owns(t):
+        raise ValueError(f"{name} must be a {ops.name} tensor like {like_name}, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if ops.device_key(t) != ops.device_key(like):
+        raise ValueError(f"{name} is on {ops.device_key(t)} but {like_name} is on {ops.device_key(like)}")

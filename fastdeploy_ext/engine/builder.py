@@ -34,8 +34,8 @@ from fastdeploy_ext.engine.sampler import make_sampler
 from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
-from fastdeploy_ext.ops.host.cpu_features import describe_cpu
-from fastdeploy_ext.ops.host.host_threads import set_host_threads
+from fastdeploy_ext.ops.cpu_features import describe_cpu
+from fastdeploy_ext.ops.host_threads import set_host_threads
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
 
 logger = logging.getLogger("fastdeploy_ext")

@@ -7,7 +7,7 @@ import paddle
 from paddle.utils import dlpack
 
 from fastdeploy_ext.ops.host import host_view
-from fastdeploy_ext.ops.host.host_threads import run_parallel, split
+from fastdeploy_ext.ops.host_threads import run_parallel, split
 
 # Source rows per tile of a transposing copy: a [rows, K] band of the source is read once while its
 # columns land in ``rows``-wide strips of the destination (NumPy's element-wise strided transpose of a

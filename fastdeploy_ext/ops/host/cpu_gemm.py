@@ -13,6 +13,7 @@ and callers keep Paddle's matmul.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -43,6 +44,10 @@ def _library():
                 lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, f, p, i]
                 lib.cblas_sgemm_batch.restype = None
                 lib.cblas_sgemm_batch.argtypes = [i] + [p] * 13 + [i, p]
+                lib.cblas_sgemm.restype = None
+                lib.cblas_sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+                lib.MKL_Set_Num_Threads_Local.restype = i
+                lib.MKL_Set_Num_Threads_Local.argtypes = [i]
                 _mkl = lib
             except (OSError, AttributeError):
                 _mkl = False
@@ -51,6 +56,52 @@ def _library():
 
 def available() -> bool:
     return _library() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_preferred() -> bool:
+    """Whether a thread's share of a large product runs faster in MKL (:func:`sgemm_into`) than in NumPy's
+    OpenBLAS: on Intel CPUs, where a 256-row band of the Qwen2-0.5B products took ~14% less CPU time in MKL
+    than in OpenBLAS's SkylakeX kernels (Sapphire Rapids, one thread); not on AMD ones, where MKL took 2.4x
+    OpenBLAS's time (ops/host/gemm.py)."""
+    return available() and _cpu_vendor() == "GenuineIntel"
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def sgemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a @ b`` in MKL on the calling thread alone (MKL's thread count for this thread is set to one and
+    restored: the caller splits the work). ``a`` ``[M, K]`` and ``out`` ``[M, N]`` float32 with contiguous rows;
+    ``b`` ``[K, N]`` row-major or the transposed view of a row-major ``[N, K]``."""
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(f"shapes {list(a.shape)} @ {list(b.shape)} -> {list(out.shape)}")
+    for x in (a, b, out):
+        if x.dtype != np.float32:
+            raise ValueError("a, b and out must be float32")
+    if a.strides[1] != 4 or out.strides[1] != 4 or not (b.strides[1] == 4 or b.strides[0] == 4):
+        raise ValueError("a and out need contiguous rows, b contiguous rows or columns")
+    trans_b = b.strides[0] == 4 and b.strides[1] != 4
+    ldb = b.strides[1] // 4 if trans_b else max(b.strides[0] // 4, n)
+    lib = _library()
+    previous = lib.MKL_Set_Num_Threads_Local(1)
+    try:
+        lib.cblas_sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, 1.0, a.ctypes.data,
+                        max(a.strides[0] // 4, k), b.ctypes.data, ldb, 0.0, out.ctypes.data,
+                        max(out.strides[0] // 4, n))
+    finally:
+        lib.MKL_Set_Num_Threads_Local(previous)
 
 
 class PackedWeights:

@@ -23,6 +23,7 @@ import threading
 
 import numpy as np
 
+from fastdeploy_ext.ops.host import cpu_gemm
 from fastdeploy_ext.ops.host_threads import host_threads, run_parallel
 
 # Below this many multiply-adds a product runs on the calling thread (a hand-off costs ~20-40 us).
@@ -53,10 +54,11 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
         return out
     if m >= parts * _ROW_SPLIT_MIN:
         bounds = [m * i // parts for i in range(parts + 1)]
+        product = cpu_gemm.sgemm_into if cpu_gemm.gemm_preferred() and _mkl_operands(x, w) else _numpy_into
 
         def band(i):
             rows = slice(bounds[i], bounds[i + 1])
-            np.matmul(x[rows], w, out=out[rows])
+            product(x[rows], w, out[rows])
             if bias is not None:
                 out[rows] += bias
 
@@ -95,6 +97,15 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
     if bias is not None:
         out += bias
     return out
+
+
+def _numpy_into(a, b, out):
+    np.matmul(a, b, out=out)
+
+
+def _mkl_operands(x, w) -> bool:
+    return (x.dtype == w.dtype == np.float32 and x.strides[1] == 4
+            and (w.strides[1] == 4 or w.strides[0] == 4))
 
 
 class _Job:

@@ -4,6 +4,7 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy_ext.ops.host import cpu_gemm
 from fastdeploy_ext.ops.host.activation import swiglu
 from fastdeploy_ext.ops.host.copy import copy_into
 from fastdeploy_ext.ops.host.gemm import matmul_into
@@ -57,6 +58,23 @@ def test_matmul_into_piece_error_reaches_the_caller(threads):
     out = matmul_into(x, w, np.empty((1, 4097), np.float32))
     ref = x.astype(np.float64) @ w.astype(np.float64)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="this Paddle build has no MKL")
+@pytest.mark.parametrize("m,k,n", [(1, 17, 1), (255, 896, 1000), (257, 64, 3000)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK.T"])
+def test_sgemm_into_matches_float64(m, k, n, transposed):
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    wv = np.ascontiguousarray(w.T).T if transposed else w
+    out = np.full((m + 2, n), np.nan, np.float32)
+    cpu_gemm.sgemm_into(x, wv, out[1:-1])  # rows of a larger buffer
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.linalg.norm(out[1:-1] - ref) / np.linalg.norm(ref) < 1e-6
+    assert np.isnan(out[0]).all() and np.isnan(out[-1]).all()
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_gemm.sgemm_into(x, wv, np.empty((m, n + 1), np.float32))
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (17, 255), (1000, 257), (129, 4864), (1001, 1000)])

@@ -1,8 +1,9 @@
 """The host backend: CPU-speed implementations in NumPy, MKL (ctypes) and host threads.
 
-Everything here works on host arrays or on Paddle CPU float32 tensors through zero-copy DLPack views;
-nothing here is used by the device backend. Layers pick these implementations once, at construction,
-when ``fd_config.load_config.backend == "host"`` (docs/architecture.md "Backends").
+Everything here works on host arrays or on Paddle CPU float32 tensors through zero-copy DLPack views. Layers get
+these implementations once, at construction, from ``layers/backend.py`` when ``fd_config.load_config.backend ==
+"host"``; ``fastdeploy_ext/ops/device`` holds the device backend's modules of the same names (docs/architecture.md
+"Backends"). Only the load-time weight copy (``copy.py``) also serves the device backend's CPU parameters.
 """
 
 import numpy as np

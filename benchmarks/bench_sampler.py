@@ -13,7 +13,7 @@ tokenizers have 512 tokens): half the rows allow 90% of the vocabulary (inside a
     python benchmarks/bench_sampler.py                       # host, both vocabularies, all R
     python benchmarks/bench_sampler.py --rows 16 --vocab 200064
     python benchmarks/bench_sampler.py --engine              # bench_engine.py's workload at vocab 200,064
-    python benchmarks/bench_sampler.py --device --rows 256    # torch + CUDA: device sampler vs the byte floor
+    python benchmarks/bench_sampler.py --device --rows 16 256  # torch + CUDA: device sampler vs the byte floor
 """
 
 from __future__ import annotations
@@ -259,19 +259,21 @@ def bench_host(args):
 # ---- device
 
 def bench_device(args):
-    """torch on a CUDA GPU: per vocabulary and setting at ``--rows`` rows, the device sampler's step (parameters up,
+    """torch on a CUDA GPU: per vocabulary and setting at each ``--rows``, the device sampler's step (parameters up,
     the kernels, ids and logprobs down; CUDA-event timing with the L2 flushed, triton.testing.do_bench), the byte
     floor (``amax`` over the [R, V] float32 logits: one read of them) and the plain-torch way (softmax, a sorted
-    top-p, multinomial) in the same run."""
+    top-p, multinomial, ids to the host) in the same run. Penalty rows read device counts built once before the
+    timing (as in serving, where a request's row is built when it first samples); ``SamplingBatch.from_rows``, the
+    host part of a step, is timed apart. Target: the step at R=256 within 2x of the floor."""
     import json
 
     import torch
     import triton
 
-    from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
+    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
+    from fastdeploy_ext.ops.sampling.launcher import has_penalties
 
     results = []
-    rows = max(args.rows)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def plain_torch(x, t, top_p, top_k):
@@ -286,32 +288,41 @@ def bench_device(args):
             z = torch.zeros_like(z).scatter_(-1, si, sp)
         return torch.multinomial(z, 1, generator=gen).view(-1).cpu()
 
+    chunks = (8192,) + ((4096, 16384, 32768) if args.sweep else ())
     for vocab in args.vocab:
-        logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
-        masks = synthetic_masks(rows, vocab, args.seed + 1)
-        floor = triton.testing.do_bench(lambda: logits.amax(dim=1))
-        nbytes = logits.numel() * 4
-        print(f"vocab {vocab}, R={rows}: byte floor {floor * 1e3:.1f} us ({nbytes / floor / 1e6:.0f} GB/s)", flush=True)
-        for setting in args.settings:
-            specs = make_specs(rows, vocab, setting, args.seed)
-            for i, s in enumerate(specs):
-                s.seed, s.position = 1000 + i, 17
-            bitmask = masks if setting.endswith("mask") else None
-            batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask)
-            t_build = triton.testing.do_bench(lambda: SamplingBatch.from_rows(specs, list(range(rows)), bitmask))
-            entry = dict(vocab=vocab, rows=rows, setting=setting, floor_us=floor * 1e3, build_us=t_build * 1e3)
-            for probes, chunk in ((16, 8192),) + (((32, 8192), (16, 4096), (16, 16384)) if args.sweep else ()):
-                t = triton.testing.do_bench(lambda: sample_rows(logits, batch, probes=probes, chunk=chunk))
-                entry[f"device_us_p{probes}_c{chunk}"] = t * 1e3
-            p = specs[0].params
-            if not setting.endswith("mask") and p.temperature > 0:
-                entry["torch_us"] = triton.testing.do_bench(
-                    lambda: plain_torch(logits, p.temperature, p.top_p, p.top_k)) * 1e3
-            dev = entry["device_us_p16_c8192"]
-            print(f"  {setting}: device {dev:.1f} us ({dev / entry['floor_us']:.2f}x floor), host batch build "
-                  f"{entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in entry.items() if k.startswith("device_us_")), flush=True)
-            results.append(entry)
+        for rows in args.rows:
+            logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
+            masks = synthetic_masks(rows, vocab, args.seed + 1)
+            floor = triton.testing.do_bench(lambda: logits.amax(dim=1))
+            nbytes = logits.numel() * 4
+            print(f"vocab {vocab}, R={rows}: byte floor {floor * 1e3:.1f} us ({nbytes / floor / 1e6:.0f} GB/s)",
+                  flush=True)
+            for setting in args.settings:
+                specs = make_specs(rows, vocab, setting, args.seed)
+                for i, s in enumerate(specs):
+                    s.seed, s.position = 1000 + i, 17
+                bitmask = masks if setting.endswith("mask") else None
+                counts = slots = None
+                if any(has_penalties(s.params) for s in specs):
+                    counts = PenaltyCounts(vocab, logits, capacity=rows)
+                    slots = counts.slots_for(specs)
+                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                t_build = triton.testing.do_bench(
+                    lambda: SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots))
+                entry = dict(vocab=vocab, rows=rows, setting=setting, floor_us=floor * 1e3, build_us=t_build * 1e3)
+                for chunk in chunks:
+                    # The counts grow by each timed step's tokens: the penalties change, the work does not.
+                    t = triton.testing.do_bench(lambda: sample_rows(logits, batch, counts, chunk=chunk))
+                    entry[f"device_us_c{chunk}"] = t * 1e3
+                p = specs[0].params
+                if not setting.endswith("mask") and p.temperature > 0:
+                    entry["torch_us"] = triton.testing.do_bench(
+                        lambda: plain_torch(logits, p.temperature, p.top_p, p.top_k)) * 1e3
+                dev = entry["device_us_c8192"]
+                print(f"  {setting}: device {dev:.1f} us ({dev / entry['floor_us']:.2f}x floor), host batch build "
+                      f"{entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in entry.items() if k.startswith("device_us_")), flush=True)
+                results.append(entry)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -374,7 +385,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--device", action="store_true", help="the device sampler on a CUDA GPU (torch)")
     ap.add_argument("--out", default=None, help="also write the device results as JSON here")
-    ap.add_argument("--sweep", action="store_true", help="device: also other probe counts and chunk sizes")
+    ap.add_argument("--sweep", action="store_true", help="device: also other chunk sizes")
     args = ap.parse_args()
     if args.device:
         return bench_device(args)

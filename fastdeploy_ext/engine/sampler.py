@@ -190,18 +190,29 @@ def make_sampler(fd_config):
 class DeviceSampler:
     """The batched sampler on the device (``fastdeploy_ext.ops.sampling``, Triton kernels): the rows stay where
     the model computed them and only the ids and requested logprobs come back. Its draws come from a Philox
-    generator keyed by (request seed, output position), not from the request's NumPy generator."""
+    generator keyed by (request seed, output position), not from the request's NumPy generator. The penalties read
+    per-request token counts kept on the device (``PenaltyCounts``): built once per request from its prompt and
+    outputs, then advanced on the device with each sampled token."""
+
+    def __init__(self):
+        self.counts = None
 
     def sample(self, rows, specs: list[SampleRow], bitmask: np.ndarray | None = None) -> SampleResult:
-        from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
+        from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
 
         if not rows:
             return SampleResult(np.zeros(0, np.int64), [], [])
         logits = rows[0].logits
         if any(r.logits is not logits for r in rows):
             raise ValueError("the device sampler takes the rows of one logits tensor per step")
-        batch = SamplingBatch.from_rows(specs, [r.index for r in rows], bitmask)
-        out = sample_rows(logits, batch)
+        slots = None
+        if any(_has_penalties(s.params) for s in specs):
+            vocab = int(logits.shape[1])
+            if self.counts is None or self.counts.vocab != vocab:
+                self.counts = PenaltyCounts(vocab, logits, capacity=max(64, len(specs)))
+            slots = self.counts.slots_for(specs)
+        batch = SamplingBatch.from_rows(specs, [r.index for r in rows], bitmask, slots)
+        out = sample_rows(logits, batch, self.counts)
         return SampleResult(out.token_ids, out.logprob_dicts(), out.errors())
 
 

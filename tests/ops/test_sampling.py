@@ -1,7 +1,11 @@
 """The device sampler (fastdeploy_ext/ops/sampling) on the CPU under the Triton interpreter, against its float64
-reference and the exact filtered distribution: token for token with the reference's Philox-Gumbel draws, the
-reference's frequencies over many positions (binomial check of tests/engine/test_sampler.py; a wrong perturbation
-fails it), the kernels' own frequencies over a batch of positions, raw logprobs, errors per row, Paddle tensors."""
+reference and the exact filtered distribution, with small chunks so that every row spans several (row, chunk)
+programs: token for token with the reference's Philox-Gumbel draws at vocabularies 1 to 1000; per case (top-k at a
+tie, top-p inside, just below and just above a tie group, top-p 0 and 1, min-p, logit_bias, penalties from the
+device counts, grammar masks allowing 1, 2 and most tokens) the kernels' tokens over 32 positions equal the
+reference's, whose frequencies over 20,000 positions pass the binomial check of tests/engine/test_sampler.py (a
+wrong perturbation and a wrong tie rule fail it); the kernels' own frequencies over a batch; device counts across
+steps; seeded rows alone and in other batches and grids; raw logprobs; errors per row; Paddle tensors."""
 
 import os
 
@@ -11,6 +15,7 @@ import pytest  # noqa: E402
 from fastdeploy_ext import SamplingParams  # noqa: E402
 from fastdeploy_ext.engine.sampler import DeviceRow, DeviceSampler, SampleRow, log_softmax, top_logprobs  # noqa: E402
 from fastdeploy_ext.ops.sampling import filtered_probs, philox_uniform, reference_sample  # noqa: E402
+from fastdeploy_ext.ops.sampling.launcher import has_penalties  # noqa: E402
 from fastdeploy_ext.ops.sampling.reference import gumbel  # noqa: E402
 from tests.engine.test_sampler_batched import exact_distribution, frequency_failures, pack  # noqa: E402
 
@@ -20,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="run by tests/ops/test_sampling_interpreter.py with TRITON_INTERPRET=1")
 
-SMALL = dict(block=64, chunk=128)  # several chunks per row even at small vocabularies
+SMALL = dict(block=16, chunk=64)  # several chunks per row even at small vocabularies
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.5, -2.0, 0.0], np.float32)
 
 
@@ -41,10 +46,16 @@ def modified(row, spec):
 
 
 def run(logits, specs, bitmask=None, **kw):
-    from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
+    """One ``sample_rows`` call; rows with penalties get device counts built from their lists."""
+    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
 
     t = torch.from_numpy(np.ascontiguousarray(logits))
-    return sample_rows(t, SamplingBatch.from_rows(specs, list(range(len(specs))), bitmask), **{**SMALL, **kw})
+    counts = slots = None
+    if any(has_penalties(s.params) for s in specs):
+        counts = PenaltyCounts(t.shape[1], t, capacity=4)
+        slots = counts.slots_for(specs)
+    return sample_rows(t, SamplingBatch.from_rows(specs, list(range(len(specs))), bitmask, slots), counts,
+                       **{**SMALL, **kw})
 
 
 def mixed_batch(rng, vocab):
@@ -62,28 +73,33 @@ def mixed_batch(rng, vocab):
         dict(temperature=0.0, repetition_penalty=2.0, logit_bias={11: 1.0}),
     ]
     for i, s in enumerate(settings * 2):
+        if "logit_bias" in s:
+            s = {**s, "logit_bias": {t: b for t, b in s["logit_bias"].items() if t < vocab} or None}
         x = (rng.standard_normal(vocab) * 3).astype(np.float32)
         if i % 3 == 0:
             x[5:9] = x.max()  # ties at the top
+        if i % 3 == 1:
+            x[::7] = x[vocab // 2]  # ties in the body, across chunks
         mask_row = None
         if i >= len(settings):  # the second half under grammar masks allowing 1, 2 and most tokens
             allowed = np.zeros(vocab, bool)
-            k = (1, 2, vocab - 3)[i % 3]
+            k = max(1, min((1, 2, vocab - 3)[i % 3], vocab))
             allowed[rng.choice(vocab, k, replace=False)] = True
             mask_row = len(masks)
             masks.append(allowed)
+        banned = [t for t in (1, 2) if t < vocab] if i % 4 == 1 else []
         specs.append(SampleRow(SamplingParams(**s), rng.integers(0, vocab, 6).tolist(),
-                               rng.integers(0, vocab, 5).tolist(), None, [1, 2] if i % 4 == 1 else [], mask_row,
+                               rng.integers(0, vocab, 5).tolist(), None, banned, mask_row,
                                seed=int(rng.integers(0, 2**63 - 1)), position=int(rng.integers(0, 1000))))
         rows.append(x)
     return np.stack(rows), specs, (np.stack(masks) if masks else None)
 
 
-@pytest.mark.parametrize("vocab", [257])
-def test_kernel_tokens_equal_the_reference_draws(vocab):
+@pytest.mark.parametrize("vocab,block,chunk", [(1, 4, 4), (17, 4, 8), (255, 16, 64), (257, 16, 64), (1000, 64, 256)])
+def test_kernel_tokens_equal_the_reference_draws(vocab, block, chunk):
     rng = np.random.default_rng(vocab)
     logits, specs, allowed = mixed_batch(rng, vocab)
-    out = run(logits, specs, pack(allowed))
+    out = run(logits, specs, pack(allowed), block=block, chunk=chunk)
     assert (out.error_codes == 0).all()
     for r, spec in enumerate(specs):
         x = modified(logits[r], spec)
@@ -96,66 +112,147 @@ def test_kernel_tokens_equal_the_reference_draws(vocab):
             assert allowed[spec.mask_row][out.token_ids[r]]
 
 
+# 17 tokens, so that chunks of 8 split the row in three: 1.5 three times (ids 1, 7, 14: two chunks), 1.0 three times.
+LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.5, -2.0, 0.0, 1.0, 1.0, -0.3, 0.4, 1.5, -1.5, 0.9],
+                  np.float32)
+TIE = np.exp(1.5 - 2.0) / np.exp(LOGITS.astype(np.float64) - 2.0).sum()  # the probability of each 1.5 token
+TOP = 1.0 / np.exp(LOGITS.astype(np.float64) - 2.0).sum()  # of token 0
+PROMPT, OUTPUT = [1, 2, 2, 9], [0, 7, 7, 4]
+
+
+def allow(ids):
+    a = np.zeros(LOGITS.size, bool)
+    a[ids] = True
+    return a
+
+
 CASES = {
-    "temperature 0.7": SamplingParams(temperature=0.7),
-    "top_k 3 (a tie at the 3rd value)": SamplingParams(temperature=1.3, top_k=3),
-    "top_p 0.8": SamplingParams(temperature=1.0, top_p=0.8),
-    "top_p 1": SamplingParams(temperature=1.0, top_p=1.0),
-    "min_p 0.2": SamplingParams(temperature=1.0, min_p=0.2),
-    "top_k top_p min_p": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
-    "logit_bias": SamplingParams(temperature=1.0, logit_bias={9: 2.5, 0: -1.0}),
-    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3),
+    "temperature 0.7": (SamplingParams(temperature=0.7), None),
+    "top_k 3 (a tie at the 3rd value)": (SamplingParams(temperature=1.3, top_k=3), None),
+    "top_p 0.8": (SamplingParams(temperature=1.0, top_p=0.8), None),
+    "top_p inside a tie (2 of 3 kept, by id)": (SamplingParams(temperature=1.0, top_p=TOP + 1.5 * TIE), None),
+    "top_p just below a tie's end": (SamplingParams(temperature=1.0, top_p=TOP + 2 * TIE - 1e-4), None),
+    "top_p just above a tie's end": (SamplingParams(temperature=1.0, top_p=TOP + 2 * TIE + 1e-4), None),
+    "top_p 0": (SamplingParams(temperature=1.0, top_p=0.0), None),
+    "top_p 1": (SamplingParams(temperature=1.0, top_p=1.0), None),
+    "min_p 0.2": (SamplingParams(temperature=1.0, min_p=0.2), None),
+    "top_k top_p min_p": (SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05), None),
+    "logit_bias": (SamplingParams(temperature=1.0, logit_bias={9: 2.5, 0: -1.0, 16: 1.0}), None),
+    "penalties (device counts)": (SamplingParams(temperature=1.0, repetition_penalty=1.4, presence_penalty=0.5,
+                                                 frequency_penalty=0.3), None),
+    "mask allowing 1": (SamplingParams(temperature=1.0, top_p=0.9), allow([12])),
+    "mask allowing 2": (SamplingParams(temperature=0.8, top_k=4, top_p=0.9), allow([3, 14])),
+    "mask allowing most, penalties": (SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3,
+                                                     logit_bias={3: 1.0}), allow([i for i in range(17) if i != 0])),
 }
 DRAWS = 20000
+POSITIONS = 32
 
 
-def reference_counts(x, params, seed, perturb=gumbel):
-    """The reference's tokens at positions 0..DRAWS-1 (one request), counted."""
-    p = filtered_probs(x, params.temperature, params.top_k, params.top_p, params.min_p)
+def case_input(name):
+    params, allowed = CASES[name]
+    spec = SampleRow(params, list(PROMPT), list(OUTPUT), None, [], None if allowed is None else 0)
+    x = modified(LOGITS, spec)
+    if allowed is not None:
+        x[~allowed] = -np.inf
+    return params, allowed, x, exact_distribution(LOGITS, params, PROMPT, OUTPUT, (), allowed)
+
+
+def reference_tokens(x, params, seed, positions, perturb=gumbel, p=None):
+    """The reference's tokens at ``positions`` of one request."""
+    if p is None:
+        p = filtered_probs(x, params.temperature, params.top_k, params.top_p, params.min_p)
     ids = np.arange(x.size, dtype=np.uint64)
-    u = philox_uniform(seed, np.arange(DRAWS, dtype=np.uint64)[:, None], ids[None, :])
+    u = philox_uniform(seed, np.asarray(positions, np.uint64)[:, None], ids[None, :])
     with np.errstate(divide="ignore"):
-        tokens = np.argmax(np.log(p)[None, :] + perturb(u), axis=1)
-    return np.bincount(tokens, minlength=x.size)
+        return np.argmax(np.log(p)[None, :] + perturb(u), axis=1)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_reference_draws_follow_the_exact_distribution(name):
-    params = CASES[name]
-    spec = SampleRow(params, [1, 2, 2, 9], [0, 7, 7, 4], None, [])
-    want = exact_distribution(LOGITS, params, spec.prompt_ids, spec.output_ids)
-    counts = reference_counts(modified(LOGITS, spec), params, seed=12345)
+def test_kernel_draws_are_the_reference_draws_at_the_exact_distribution(name):
+    """The kernels' tokens at positions 0..31 equal the reference's, whose tokens over 20,000 positions follow the
+    exact distribution (penalties from device counts, several chunks per row)."""
+    params, allowed, x, want = case_input(name)
+    assert np.abs(filtered_probs(x, params.temperature, params.top_k, params.top_p, params.min_p) - want).max() < 1e-12
+    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS)), minlength=LOGITS.size)
     assert frequency_failures(counts, want) == []
+    specs = [SampleRow(params, list(PROMPT), list(OUTPUT), None, [], None if allowed is None else 0, seed=12345,
+                       position=i) for i in range(POSITIONS)]
+    out = run(np.tile(LOGITS, (POSITIONS, 1)), specs, None if allowed is None else pack(allowed), block=8, chunk=8)
+    assert out.token_ids.tolist() == reference_tokens(x, params, 12345, np.arange(POSITIONS)).tolist()
 
 
 def test_a_wrong_perturbation_fails_the_check():
     """-log(u) (an exponential, not a Gumbel) biases the draws towards the likely tokens: rejected."""
-    params = CASES["temperature 0.7"]
-    want = exact_distribution(LOGITS, params)
-    counts = reference_counts(LOGITS.astype(np.float64), params, seed=12345, perturb=lambda u: -np.log(u))
+    params, _, x, want = case_input("temperature 0.7")
+    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS), perturb=lambda u: -np.log(u)),
+                         minlength=LOGITS.size)
     assert frequency_failures(counts, want) != []
 
 
+def test_a_wrong_tie_rule_fails_the_check():
+    """Keeping the whole tie group that top_p cuts inside (3 tokens of 1.5 instead of the first 2 by id):
+    rejected."""
+    params, _, x, want = case_input("top_p inside a tie (2 of 3 kept, by id)")
+    wrong = np.exp(x - x.max())
+    wrong[want == 0] = 0
+    wrong[14] = wrong[7]
+    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS), p=wrong / wrong.sum()),
+                         minlength=LOGITS.size)
+    assert want[14] == 0 and frequency_failures(counts, want) != []
+
+
 def test_kernel_frequencies_follow_the_exact_distribution():
-    """One launch of 500 rows: the same logits at output positions 0..499 of one seeded request, under a grammar
-    mask allowing 9 of the 10 tokens, with min_p and a repetition penalty (the interpreter runs ~0.1 s per row;
-    top-k / top-p rows, ~0.3 s, are covered token for token against the reference above and in the GPU test)."""
-    draws = 500
+    """One launch of 300 rows: the same logits at output positions 0..299 of one seeded request, three chunks per
+    row, top-p cutting inside a tie group, min_p, device-counted penalties and a mask allowing 16 of 17 tokens."""
+    draws = 300
     allowed = np.ones(LOGITS.size, bool)
     allowed[0] = False
-    params = SamplingParams(temperature=0.9, min_p=0.05, repetition_penalty=1.2)
-    specs = [SampleRow(params, [3], [], None, [], 0, seed=77, position=i) for i in range(draws)]
-    out = run(np.tile(LOGITS, (draws, 1)), specs, pack(allowed), block=16, chunk=16)
-    want = exact_distribution(LOGITS, params, [3], [], [], allowed)
+    params = SamplingParams(temperature=0.9, top_p=0.85, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.2)
+    specs = [SampleRow(params, [3], [5, 5], None, [], 0, seed=77, position=i) for i in range(draws)]
+    out = run(np.tile(LOGITS, (draws, 1)), specs, pack(allowed), block=8, chunk=8)
+    want = exact_distribution(LOGITS, params, [3], [5, 5], [], allowed)
     assert frequency_failures(np.bincount(out.token_ids, minlength=LOGITS.size), want) == []
+
+
+def test_device_counts_follow_the_outputs_across_steps():
+    """The engine's DeviceSampler over 8 steps of one request with strong penalties: each token equals the
+    reference's from the prompt and outputs so far, the counts row equals 2 * output count + prompt seen, and an
+    output list changed behind the sampler's back is rebuilt."""
+    from fastdeploy_ext.ops.sampling import PenaltyCounts
+
+    rng = np.random.default_rng(8)
+    vocab = 40
+    x = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    t = torch.from_numpy(np.stack([x, x]))
+    params = SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.7,
+                            presence_penalty=0.4)
+    prompt, output = [3, 3, 17, 39], []
+    sampler = DeviceSampler()
+    for step in range(8):
+        if step == 5:
+            output[-1] = (output[-1] + 1) % vocab  # not the token the device counted: the row is rebuilt
+        spec = SampleRow(params, prompt, output, None, [], None, seed=21, position=len(output))
+        want = reference_sample(modified(x, spec), 0.6, 0, 0.95, 0.0, 21, len(output))
+        res = sampler.sample([DeviceRow(t, 1)], [spec])
+        assert res.errors == [None] and res.token_ids.tolist() == [want], step
+        output.append(want)
+    counts = sampler.counts
+    assert isinstance(counts, PenaltyCounts)
+    slot = counts.slots_for([SampleRow(params, prompt, output)])[0]
+    row = counts.table[slot].numpy()
+    expect = 2 * np.bincount(output, minlength=vocab) + np.isin(np.arange(vocab), prompt)
+    assert row.tolist() == expect.tolist()
 
 
 def test_a_seeded_row_draws_the_same_token_in_any_batch():
     rng = np.random.default_rng(4)
     vocab = 300
     x = (rng.standard_normal(vocab) * 2).astype(np.float32)
-    mine = SampleRow(SamplingParams(temperature=1.0, top_p=0.95, seed=9), seed=9, position=41)
-    tokens = []
+    mine = SampleRow(SamplingParams(temperature=1.0, top_p=0.95, seed=9, repetition_penalty=1.2), [5, 6], [7], None,
+                     [], seed=9, position=41)
+    tokens = [int(run(x[None], [mine], block=4, chunk=8).token_ids[0]),
+              int(run(x[None], [mine], block=64, chunk=256).token_ids[0])]
     for others in (0, 3, 6):
         batch = [(rng.standard_normal(vocab) * 2).astype(np.float32) for _ in range(others)]
         specs = [SampleRow(SamplingParams(temperature=float(rng.uniform(0.5, 2)), top_k=int(rng.integers(0, 9))),
@@ -175,7 +272,7 @@ def test_logprobs_are_the_raw_log_softmax():
     specs = [SampleRow(SamplingParams(temperature=1.0, logprobs=5), seed=1),
              SampleRow(SamplingParams(temperature=0.5, top_p=0.9, logprobs=3, logit_bias={4: 9.0}), seed=2),
              SampleRow(SamplingParams(temperature=0.0, logprobs=0), seed=3)]
-    out = run(x, specs)
+    out = run(x, specs, block=64, chunk=128)
     for r, (spec, got) in enumerate(zip(specs, out.logprob_dicts())):
         want = top_logprobs(log_softmax(x[r].astype(np.float64)[None])[0], spec.params.logprobs,
                             int(out.token_ids[r]))

@@ -12,9 +12,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from fastdeploy_ext.engine.sampler import SampleRow  # noqa: E402
 from fastdeploy_ext.engine.sampling_params import SamplingParams  # noqa: E402
-from fastdeploy_ext.ops.sampling import SamplingBatch, filtered_probs, reference_sample, sample_rows  # noqa: E402
+from fastdeploy_ext.ops.sampling import (PenaltyCounts, SamplingBatch, filtered_probs, reference_sample,  # noqa: E402
+                                         sample_rows)
+from fastdeploy_ext.ops.sampling.launcher import has_penalties  # noqa: E402
 
 ALPHA = 1e-6
+
+
+def sample(t, specs, rows=None, bitmask=None):
+    """``sample_rows`` over ``specs`` (logits rows ``rows``, default 0..); penalty rows get device counts."""
+    counts = slots = None
+    if any(has_penalties(s.params) for s in specs):
+        counts = PenaltyCounts(t.shape[1], t)
+        slots = counts.slots_for(specs)
+    rows = list(range(len(specs))) if rows is None else rows
+    return sample_rows(t, SamplingBatch.from_rows(specs, rows, bitmask, slots), counts)
 
 
 def binomial_failures(counts, want, alpha=ALPHA):
@@ -69,7 +81,7 @@ def test_tokens_equal_the_reference_at_real_vocabularies(vocab, dtype):
     x = t.float().cpu().numpy()  # the values the kernels read
     specs = [SampleRow(SamplingParams(**s), seed=int(rng.integers(1 << 62)), position=int(rng.integers(1 << 20)))
              for s in SETTINGS * 2]
-    out = sample_rows(t, SamplingBatch.from_rows(specs, list(range(len(specs)))))
+    out = sample(t, specs)
     assert (out.error_codes == 0).all()
     for r, s in enumerate(specs):
         p = s.params
@@ -90,7 +102,7 @@ def test_frequencies_follow_the_exact_distribution(settings):
     params = SamplingParams(**settings)
     specs = [SampleRow(params, seed=99, position=i) for i in range(draws)]
     t = torch.from_numpy(np.tile(LOGITS, (draws, 1))).cuda()
-    out = sample_rows(t, SamplingBatch.from_rows(specs, list(range(draws))))
+    out = sample(t, specs)
     want = filtered_probs(LOGITS, params.temperature, params.top_k, params.top_p, params.min_p)
     assert binomial_failures(np.bincount(out.token_ids, minlength=LOGITS.size), want) == []
 
@@ -103,7 +115,7 @@ def test_grammar_masks_and_penalties_at_the_exact_distribution(allowed_ids):
     params = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, logit_bias={3: 1.0})
     specs = [SampleRow(params, [3, 7], [], None, [], 0, seed=5, position=i) for i in range(draws)]
     t = torch.from_numpy(np.tile(LOGITS, (draws, 1))).cuda()
-    out = sample_rows(t, SamplingBatch.from_rows(specs, list(range(draws)), pack(allowed)))
+    out = sample(t, specs, bitmask=pack(allowed))
     x = LOGITS.astype(np.float64).copy()
     x[3] += 1.0
     for i in (3, 7):
@@ -117,8 +129,7 @@ def test_a_wrong_distribution_fails_the_check():
     draws = 20000
     params = SamplingParams(temperature=1.0, top_p=0.8)
     specs = [SampleRow(params, seed=99, position=i) for i in range(draws)]
-    out = sample_rows(torch.from_numpy(np.tile(LOGITS, (draws, 1))).cuda(),
-                      SamplingBatch.from_rows(specs, list(range(draws))))
+    out = sample(torch.from_numpy(np.tile(LOGITS, (draws, 1))).cuda(), specs)
     wrong = filtered_probs(LOGITS, 1.0, 0, 0.9, 0.0)  # one token more than top_p 0.8 keeps
     assert binomial_failures(np.bincount(out.token_ids, minlength=LOGITS.size), wrong) != []
 
@@ -129,7 +140,7 @@ def test_logprobs_and_batch_independence_at_256_rows():
     x = torch.from_numpy(model_like(rng, rows, vocab)).cuda()
     specs = [SampleRow(SamplingParams(temperature=1.0, top_p=0.95, logprobs=5), seed=1000 + r, position=7)
              for r in range(rows)]
-    out = sample_rows(x, SamplingBatch.from_rows(specs, list(range(rows))))
+    out = sample(x, specs)
     lsm = torch.log_softmax(x.double(), dim=-1)
     top = torch.topk(lsm, 5, dim=-1)
     assert np.abs(out.top_logprobs - top.values.cpu().numpy()).max() < 1e-4
@@ -137,5 +148,5 @@ def test_logprobs_and_batch_independence_at_256_rows():
     got = lsm[torch.arange(rows), torch.from_numpy(out.token_ids).cuda()].cpu().numpy()
     assert np.abs(out.token_logprobs - got).max() < 1e-4
     # Rows 5 and 200 alone, in another order, give the same tokens.
-    alone = sample_rows(x, SamplingBatch.from_rows([specs[200], specs[5]], [200, 5]))
+    alone = sample(x, [specs[200], specs[5]], [200, 5])
     assert alone.token_ids.tolist() == [out.token_ids[200], out.token_ids[5]]

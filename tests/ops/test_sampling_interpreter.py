@@ -1,4 +1,4 @@
-"""tests/ops/test_sampling.py in its own process with ``TRITON_INTERPRET=1``: the interpreter has to be on before
+"""tests/ops/test_sampling.py in its own processes with ``TRITON_INTERPRET=1``: the interpreter has to be on before
 Triton decorates any kernel (a kernel module imported earlier in the suite without it breaks the launch), and the
 setting must not leak into the other tests of this process."""
 
@@ -14,11 +14,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(540)  # the subprocess's own bound is 480 s
 
 
-def test_sampling_kernels_under_the_interpreter():
+# Two halves, each in its own process within the bound (the interpreter runs each (row, chunk) program in Python).
+@pytest.mark.parametrize("select", ["reference_draws_at_the_exact", "not reference_draws_at_the_exact"],
+                         ids=["distribution cases", "the rest"])
+def test_sampling_kernels_under_the_interpreter(select):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["timeout", "480", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--timeout=460", "tests/ops/test_sampling.py"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=500)
+                           "--timeout=460", "-k", select, "tests/ops/test_sampling.py"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=500)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]

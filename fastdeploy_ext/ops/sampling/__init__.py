@@ -6,12 +6,12 @@ from fastdeploy_ext.ops.sampling.reference import filtered_probs, philox_uniform
 
 def __getattr__(name):
     # Triton is imported on first use, so that the reference works without it.
-    if name in ("SamplingBatch", "SamplingOutput", "sample_rows", "MAX_LOGPROBS"):
+    if name in ("PenaltyCounts", "SamplingBatch", "SamplingOutput", "sample_rows", "MAX_LOGPROBS"):
         from fastdeploy_ext.ops.sampling import launcher
 
         return getattr(launcher, name)
     raise AttributeError(f"module 'fastdeploy_ext.ops.sampling' has no attribute {name!r}")
 
 
-__all__ = ["MAX_LOGPROBS", "SamplingBatch", "SamplingOutput", "filtered_probs", "philox_uniform", "reference_sample",
-           "sample_rows"]
+__all__ = ["MAX_LOGPROBS", "PenaltyCounts", "SamplingBatch", "SamplingOutput", "filtered_probs", "philox_uniform",
+           "reference_sample", "sample_rows"]

@@ -2,8 +2,8 @@
 
 torch and Paddle tensors launch through ``fastdeploy_ext/ops/launch.py`` (for Paddle: the compat layer on
 a GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU). One host-to-device copy of the
-per-row parameters (plus one for the penalty/bias entries and one for the grammar masks when a row has them) and
-one device-to-host copy of the results per call. Imports neither framework at import time.
+per-row parameters (plus one for the bias/ban entries and one for the grammar masks when a row has them) and one
+device-to-host copy of the results per call; the penalties' counts stay on the device (``PenaltyCounts``). Imports neither framework at import time.
 """
 
 from dataclasses import dataclass
@@ -14,29 +14,37 @@ from fastdeploy_ext.ops import launch
 from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
 from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
-__all__ = ["SamplingBatch", "SamplingOutput", "sample_rows"]
+__all__ = ["PenaltyCounts", "SamplingBatch", "SamplingOutput", "sample_rows"]
 
 # The kernels' layout constants as plain ints.
-(F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, NUM_FIELDS,
- FLAG_GREEDY, FLAG_SEARCH, NUM_PLANES, NUM_STATS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in (
-    "F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P", "F_MIN_P", "F_SEED_LO", "F_SEED_HI",
-    "F_POS", "F_NLP", "NUM_FIELDS", "FLAG_GREEDY", "FLAG_SEARCH", "NUM_PLANES", "NUM_STATS", "ERR_NAN",
-    "ERR_NONE_ALLOWED"))
+_NAMES = ("F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P", "F_MIN_P", "F_SEED_LO",
+          "F_SEED_HI", "F_POS", "F_NLP", "F_SLOT", "F_REP", "F_FREQ", "F_PRES", "NUM_FIELDS", "FLAG_GREEDY",
+          "FLAG_TOPK", "FLAG_TOPP", "FLAG_MINP", "NUM_PLANES", "NUM_STATS", "NUM_STATE", "NUM_BUCKETS", "ERR_NAN",
+          "ERR_NONE_ALLOWED")
+(F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
+ F_REP, F_FREQ, F_PRES, NUM_FIELDS, FLAG_GREEDY, FLAG_TOPK, FLAG_TOPP, FLAG_MINP, NUM_PLANES, NUM_STATS, NUM_STATE,
+ NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in _NAMES)
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
+ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
+
+
+def has_penalties(params) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
 @dataclass
 class SamplingBatch:
     """A step's rows as the kernels read them (NumPy, built on the host, uploaded by :func:`sample_rows`).
 
-    ``params`` int32 ``[R, 12]``: logits row, working-copy row (-1: none), grammar mask row (-1: none), flags,
+    ``params`` int32 ``[R, 16]``: logits row, working-copy row (-1: none), grammar mask row (-1: none), flags,
     top_k, 1 / temperature, top_p, min_p (floats as bit patterns), seed low and high words, output position,
-    logprobs (-1: none). ``mods`` int32 ``[W, 3]``: per working copy its logits row and its entry range;
-    ``entries`` int32 ``[4, M]``: token id, bias, repetition penalty, subtrahend (floats as bits). ``bitmask``:
-    llguidance's packed ``[G, ceil(V / 32)]`` int32 masks."""
+    logprobs (-1: none), penalty counts slot (-1: none), repetition, frequency and presence penalties (bits).
+    ``mods`` int32 ``[W, 3]``: per working copy its logits row and its entry range; ``entries`` int32 ``[3, M]``:
+    token id, bias, subtrahend (floats as bits; a banned id subtracts +inf). ``bitmask``: llguidance's packed
+    ``[G, ceil(V / 32)]`` int32 masks."""
 
     params: np.ndarray
     mods: np.ndarray | None = None
@@ -48,41 +56,61 @@ class SamplingBatch:
         return int(self.params[:, F_NLP].max(initial=-1))
 
     @classmethod
-    def from_rows(cls, specs, rows, bitmask=None) -> "SamplingBatch":
-        """From the engine's ``SampleRow``s (``fastdeploy_ext.engine.sampler``) and the logits row of each."""
+    def from_rows(cls, specs, rows, bitmask=None, slots=None) -> "SamplingBatch":
+        """From the engine's ``SampleRow``s (``fastdeploy_ext.engine.sampler``) and the logits row of each.
+        ``slots``: per row its :class:`PenaltyCounts` slot (-1: none), required for rows with penalties; the counts
+        themselves stay on the device."""
         n = len(specs)
-        params = np.zeros((n, NUM_FIELDS), np.int32)
+        ps = [s.params for s in specs]
+        temp = np.fromiter((p.temperature for p in ps), np.float64, n)
+        greedy = temp == 0.0
+        top_k = np.fromiter((p.top_k or 0 for p in ps), np.int64, n)
+        top_k = np.where((top_k > 0) & ~greedy, top_k, 0)
+        top_p = np.fromiter((p.top_p for p in ps), np.float32, n)
+        min_p = np.where(greedy, 0.0, np.fromiter((p.min_p for p in ps), np.float32, n)).astype(np.float32)
+        nlp = np.fromiter((-1 if p.logprobs is None else p.logprobs for p in ps), np.int64, n)
+        if n and nlp.max() > MAX_LOGPROBS:
+            raise ValueError(f"logprobs: at most {MAX_LOGPROBS} on the device, got {int(nlp.max())}")
+        rep = np.fromiter((p.repetition_penalty for p in ps), np.float32, n)
+        freq = np.fromiter((p.frequency_penalty or 0.0 for p in ps), np.float32, n)
+        pres = np.fromiter((p.presence_penalty or 0.0 for p in ps), np.float32, n)
+        penalised = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+        slot = np.full(n, -1, np.int64) if slots is None else np.asarray(slots, np.int64)
+        if (penalised & (slot < 0)).any():
+            raise ValueError(f"slots: row {int(np.flatnonzero(penalised & (slot < 0))[0])} has penalties but no "
+                             "PenaltyCounts slot")
+        seed = np.fromiter((int(s.seed) & 0xFFFFFFFFFFFFFFFF for s in specs), np.uint64, n)
+        flags = (np.where(greedy, FLAG_GREEDY, 0) | np.where(top_k > 0, FLAG_TOPK, 0)
+                 | np.where(~greedy & (top_p < 1.0), FLAG_TOPP, 0) | np.where(min_p > 0.0, FLAG_MINP, 0))
+        params = np.empty((n, NUM_FIELDS), np.int32)
         floats = params.view(np.float32)
-        mods, entries = [], []
-        start = 0
-        for r, (spec, row) in enumerate(zip(specs, rows)):
-            p = spec.params
-            params[r, F_ROW] = row
-            params[r, F_MASK] = -1 if spec.mask_row is None else spec.mask_row
-            greedy = p.temperature == 0.0
-            top_k = p.top_k if p.top_k and p.top_k > 0 else 0
-            search = not greedy and (top_k > 0 or p.top_p < 1.0)
-            params[r, F_FLAGS] = (FLAG_GREEDY if greedy else 0) | (FLAG_SEARCH if search else 0)
-            params[r, F_TOP_K] = 0 if greedy else top_k
-            floats[r, F_INV_T] = 1.0 if greedy else 1.0 / p.temperature
-            floats[r, F_TOP_P] = p.top_p
-            floats[r, F_MIN_P] = 0.0 if greedy else p.min_p
-            seed = int(spec.seed) & 0xFFFFFFFFFFFFFFFF
-            params[r, F_SEED_LO] = np.uint32(seed & 0xFFFFFFFF).view(np.int32)
-            params[r, F_SEED_HI] = np.uint32(seed >> 32).view(np.int32)
-            params[r, F_POS] = spec.position
-            if p.logprobs is not None and p.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs: at most {MAX_LOGPROBS} on the device, got {p.logprobs}")
-            params[r, F_NLP] = -1 if p.logprobs is None else p.logprobs
-            ent = _entries(spec)
-            params[r, F_WORK] = -1
-            if ent is not None:
+        params[:, F_ROW] = np.asarray(rows, np.int64)
+        params[:, F_WORK] = -1
+        params[:, F_MASK] = np.fromiter((-1 if s.mask_row is None else s.mask_row for s in specs), np.int64, n)
+        params[:, F_FLAGS] = flags
+        params[:, F_TOP_K] = top_k
+        floats[:, F_INV_T] = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temp))
+        floats[:, F_TOP_P] = top_p
+        floats[:, F_MIN_P] = min_p
+        params[:, F_SEED_LO] = (seed & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+        params[:, F_SEED_HI] = (seed >> np.uint64(32)).astype(np.uint32).view(np.int32)
+        params[:, F_POS] = np.fromiter((s.position for s in specs), np.int64, n)
+        params[:, F_NLP] = nlp
+        params[:, F_SLOT] = np.where(penalised, slot, -1)
+        floats[:, F_REP] = rep
+        floats[:, F_FREQ] = freq
+        floats[:, F_PRES] = pres
+        batch = cls(params)
+        # Bias and bans are sparse and rare: a working copy of those rows only.
+        edited = [r for r, s in enumerate(specs) if s.params.logit_bias or s.banned_ids]
+        if edited:
+            mods, entries, start = [], [], 0
+            for r in edited:
+                ent = _entries(specs[r])
                 params[r, F_WORK] = len(mods)
-                mods.append((row, start, start + ent.shape[1]))
+                mods.append((params[r, F_ROW], start, start + ent.shape[1]))
                 entries.append(ent)
                 start += ent.shape[1]
-        batch = cls(params)
-        if mods:
             batch.mods = np.asarray(mods, np.int32)
             batch.entries = np.ascontiguousarray(np.concatenate(entries, axis=1))
         if bitmask is not None and (params[:, F_MASK] >= 0).any():
@@ -91,37 +119,122 @@ class SamplingBatch:
 
 
 def _entries(spec):
-    """``[4, n]`` int32 (id, bias, repetition, subtrahend) of the ids the row's bias, penalties and bans change."""
-    p = spec.params
-    rep = p.repetition_penalty != 1.0
-    counted = bool(spec.output_ids) and bool(p.presence_penalty or p.frequency_penalty)
-    if not (p.logit_bias or rep or counted or spec.banned_ids):
-        return None
-    parts = [np.fromiter(p.logit_bias.keys(), np.int64)] if p.logit_bias else []
-    if rep:
-        parts.append(np.asarray(list(spec.prompt_ids) + list(spec.output_ids), np.int64))
-    if counted:
-        parts.append(np.asarray(spec.output_ids, np.int64))
-    parts.append(np.asarray(spec.banned_ids, np.int64))
-    ids = np.unique(np.concatenate(parts))
-    bias = np.zeros(ids.size, np.float32)
-    if p.logit_bias:
-        b_ids = np.fromiter(p.logit_bias.keys(), np.int64)
-        bias[np.searchsorted(ids, b_ids)] = np.fromiter(p.logit_bias.values(), np.float64)
-    reps = np.ones(ids.size, np.float32)
-    if rep:
-        seen = np.unique(np.asarray(list(spec.prompt_ids) + list(spec.output_ids), np.int64))
-        reps[np.searchsorted(ids, seen)] = p.repetition_penalty
-    sub = np.zeros(ids.size, np.float32)
-    if counted:
-        o_ids, counts = np.unique(np.asarray(spec.output_ids, np.int64), return_counts=True)
-        sub[np.searchsorted(ids, o_ids)] = p.frequency_penalty * counts + p.presence_penalty
-    if spec.banned_ids:
-        sub[np.searchsorted(ids, np.unique(np.asarray(spec.banned_ids, np.int64)))] = np.inf
-    out = np.empty((4, ids.size), np.int32)
+    """``[3, n]`` int32 (id, bias, subtrahend) of the ids the row's ``logit_bias`` and bans change."""
+    bias = spec.params.logit_bias or {}
+    b_ids = np.fromiter(bias.keys(), np.int64, len(bias))
+    banned = np.unique(np.asarray(spec.banned_ids, np.int64))
+    ids = np.union1d(b_ids, banned)
+    vals = np.zeros((2, ids.size), np.float32)
+    vals[0, np.searchsorted(ids, b_ids)] = np.fromiter(bias.values(), np.float64, len(bias))
+    vals[1, np.searchsorted(ids, banned)] = np.inf
+    out = np.empty((3, ids.size), np.int32)
     out[0] = ids
-    out[1], out[2], out[3] = bias.view(np.int32), reps.view(np.int32), sub.view(np.int32)
+    out[1:] = vals.view(np.int32)
     return out
+
+
+class PenaltyCounts:
+    """Per-request token counts on the device, ``[capacity, V]`` int32: ``2 * output count + (seen in the
+    prompt)``, read by the penalties and advanced by :func:`sample_rows` with each step's sampled token on the
+    device. A request's row is built once from its prompt and outputs (``slots_for``); afterwards the host only
+    checks that the request's output list grew by the token the device counted. A request is recognised by its
+    ``output_ids`` list object (held here, so its identity cannot be reused while the slot lives); the least
+    recently used slots are reused when full, and a request that comes back is rebuilt."""
+
+    def __init__(self, vocab: int, like, capacity: int = 64):
+        self.vocab, self.capacity = int(vocab), int(capacity)
+        self.ops = launch.ops_for(like, "like")
+        self.like = self.ops.empty([1], "int32", like)  # the device, without holding the caller's tensor
+        self.table = self.ops.empty([self.capacity, self.vocab], "int32", like)
+        self._slot_of: dict = {}  # id(output list) -> slot
+        self._owner: list = [None] * self.capacity  # per slot: [prompt list, output list, counted, last token]
+        self._used = np.zeros(self.capacity, np.int64)  # last step that used the slot (LRU)
+        self._step = 0
+
+    def slots_for(self, specs) -> np.ndarray:
+        """Per spec its slot (-1 for rows without penalties); new or changed requests' rows are built now."""
+        self._step += 1
+        n = len(specs)
+        slots = np.full(n, -1, np.int64)
+        rows = [r for r, s in enumerate(specs) if has_penalties(s.params)]
+        if len(rows) > self.capacity:
+            self._grow(max(len(rows), 2 * self.capacity))
+        fresh = []
+        for r in rows:
+            spec = specs[r]
+            slot = self._slot_of.get(id(spec.output_ids))
+            own = self._owner[slot] if slot is not None else None
+            if own is None or own[1] is not spec.output_ids or own[0] is not spec.prompt_ids:
+                slot = None
+            elif own[2] != len(spec.output_ids) or (own[2] and own[3] != spec.output_ids[-1]):
+                fresh.append((r, slot))  # the outputs changed other than by the counted token: rebuild
+            if slot is not None:
+                slots[r] = slot
+                self._used[slot] = self._step
+        for r in rows:
+            if slots[r] < 0:
+                slot = self._free_slot()
+                old = self._owner[slot]
+                if old is not None:
+                    self._slot_of.pop(id(old[1]), None)
+                spec = specs[r]
+                self._owner[slot] = [spec.prompt_ids, spec.output_ids, 0, None]
+                self._slot_of[id(spec.output_ids)] = slot
+                self._used[slot] = self._step
+                slots[r] = slot
+                fresh.append((r, slot))
+        if fresh:
+            self._build(specs, fresh)
+        return slots
+
+    def advance(self, slots, tokens) -> None:
+        """The host's record of what the device counted: ``tokens[r]`` (>= 0) added to slot ``slots[r]``."""
+        for slot, tok in zip(np.asarray(slots).tolist(), np.asarray(tokens).tolist()):
+            if slot >= 0 and tok >= 0:
+                own = self._owner[slot]
+                own[2] += 1
+                own[3] = tok
+
+    def _free_slot(self) -> int:
+        free = [i for i, o in enumerate(self._owner) if o is None]
+        if free:
+            return free[0]
+        # slots_for grew the table to hold the step's rows, so the least recently used one is not this step's.
+        return int(np.argmin(self._used))
+
+    def _grow(self, capacity: int) -> None:
+        # A new table: every request's row is rebuilt from its lists when next seen.
+        self.capacity = int(capacity)
+        self.table = self.ops.empty([self.capacity, self.vocab], "int32", self.like)
+        self._slot_of.clear()
+        self._owner = [None] * self.capacity
+        self._used = np.zeros(self.capacity, np.int64)
+
+    def _build(self, specs, fresh, chunk: int = 8192, block: int = 1024) -> None:
+        slots = np.asarray([s for _, s in fresh], np.int32)
+        self.ops.launch(tk._counts_reset_kernel, (len(fresh), -(-self.vocab // chunk)),
+                        [self.table, self.vocab, self.ops.from_host(slots, self.like), self.vocab], CHUNK=chunk,
+                        BLOCK=block, num_warps=4)
+        parts = []
+        for r, slot in fresh:
+            prompt = np.asarray(specs[r].prompt_ids, np.int64)
+            output = np.asarray(specs[r].output_ids, np.int64)
+            part = np.empty((3, prompt.size + output.size), np.int32)
+            part[0] = slot
+            part[1, :prompt.size], part[1, prompt.size:] = prompt, output
+            part[2, :prompt.size], part[2, prompt.size:] = 0, 1
+            parts.append(part)
+            own = self._owner[slot]
+            own[2] = output.size
+            own[3] = int(output[-1]) if output.size else None
+        entries = np.ascontiguousarray(np.concatenate(parts, axis=1))
+        if entries.size and (entries[1].min() < 0 or entries[1].max() >= self.vocab):
+            raise ValueError(f"prompt_ids / output_ids: a token id is outside the vocabulary [0, {self.vocab})")
+        n = entries.shape[1]
+        if n:
+            self.ops.launch(tk._counts_add_kernel, (-(-n // block),),
+                            [self.table, self.vocab, self.ops.from_host(entries, self.like), n], BLOCK=block,
+                            num_warps=4)
 
 
 @dataclass
@@ -158,10 +271,12 @@ class SamplingOutput:
         return out
 
 
-def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int = 8192, probes: int = 16):
+def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = None, *, block: int = 1024,
+                chunk: int = 8192):
     """Sample one token per row of ``batch`` from ``logits`` ``[N, V]`` (float32 or bfloat16, rows contiguous; a
-    CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``; torch or Paddle). ``chunk`` logits per program of the
-    row-parallel passes (a multiple of ``block``). Returns a :class:`SamplingOutput` on the host."""
+    CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``; torch or Paddle). ``counts``: the penalties' device
+    counts the batch's slots index (each sampled token is counted there). ``chunk`` logits per program of the
+    (row, chunk) passes (a multiple of ``block``). Returns a :class:`SamplingOutput` on the host."""
     ops = launch.ops_for(logits, "logits")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
@@ -170,8 +285,8 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {_dtype_name(logits)}")
     if int(logits.stride()[1] if callable(getattr(logits, "stride", None)) else 1) != 1:
         raise ValueError("logits rows must be contiguous")
-    if chunk % block:
-        raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block})")
+    if chunk % block or block % 4:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block}), block of 4")
     params = batch.params
     n = params.shape[0]
     if n == 0:
@@ -182,50 +297,67 @@ def sample_rows(logits, batch: SamplingBatch, *, block: int = 1024, chunk: int =
     if rows.min() < 0 or rows.max() >= num_rows:
         raise ValueError(f"row indices must lie in [0, {num_rows}), got {rows.min()}..{rows.max()}")
     if batch.entries is not None and batch.entries.shape[1] and batch.entries[0].max() >= vocab:
-        raise ValueError(f"a logit_bias / penalty / banned id is outside the vocabulary [0, {vocab})")
+        raise ValueError(f"a logit_bias / banned id is outside the vocabulary [0, {vocab})")
     words = -(-vocab // 32)
     if batch.bitmask is not None and (batch.bitmask.ndim != 2 or batch.bitmask.shape[1] < words):
         raise ValueError(f"bitmask must be int32 [masks, >= {words}], got {list(batch.bitmask.shape)}")
+    tops_on = batch.max_logprobs > 0
+    if tops_on and block < MAX_LOGPROBS:
+        raise ValueError(f"block ({block}) must be at least {MAX_LOGPROBS} when top logprobs are requested")
+    slots = params[:, F_SLOT]
+    if (slots >= 0).any() and (counts is None or counts.vocab != vocab or slots.max() >= counts.capacity):
+        raise ValueError("counts: rows with penalties need the PenaltyCounts of this vocabulary their slots index")
     stride_l = _row_stride(logits)
     dev_params = ops.from_host(params, logits)
     dummy_f = ops.empty([1], "float32", logits)
+    chunks = -(-vocab // chunk)
     work, stride_w = dummy_f, 0
     if batch.mods is not None:
         work = ops.empty([batch.mods.shape[0], vocab], "float32", logits)
         stride_w = vocab
-        ops.launch(tk._modify_kernel, (batch.mods.shape[0],),
+        ops.launch(tk._modify_kernel, (batch.mods.shape[0], chunks),
                    [logits, stride_l, work, stride_w, ops.from_host(batch.mods, logits),
-                    ops.from_host(batch.entries, logits), batch.entries.shape[1], vocab], BLOCK=block, num_warps=4)
+                    ops.from_host(batch.entries, logits), batch.entries.shape[1], vocab], CHUNK=chunk, BLOCK=block,
+                   num_warps=4)
     bitmask, stride_m = dev_params, 0
     if batch.bitmask is not None:
         bitmask, stride_m = ops.from_host(batch.bitmask, logits), batch.bitmask.shape[1]
-    chunks = -(-vocab // chunk)
+    table, stride_c = (counts.table, counts.vocab) if counts is not None else (dev_params, 0)
     cp = max(2, 1 << (chunks - 1).bit_length())
-    tops_on = batch.max_logprobs > 0
     part = ops.empty([NUM_PLANES * n * chunks], "float32", logits)
     tops = ops.empty([n * chunks * MAX_LOGPROBS if tops_on else 1], "int64", logits)
     stats = ops.empty([NUM_STATS * n], "float32", logits)
+    state = ops.empty([n * NUM_STATE], "int64", logits)
+    hcnt = ops.empty([n * NUM_BUCKETS], "int32", logits)
+    hmass = ops.empty([n * NUM_BUCKETS], "int64", logits)
     out = ops.empty([n, 3 + 2 * MAX_LOGPROBS], "int32", logits)
-    common = [logits, stride_l, work, stride_w, bitmask, stride_m, dev_params]
+    values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     iters = chunk // block
-    ops.launch(tk._stats_kernel, (n, chunks), common + [part, tops, vocab, chunks], BLOCK=block, ITERS=iters,
+    grid = (n, chunks)
+    ops.launch(tk._stats_kernel, grid, values + [part, tops, vocab, chunks], BLOCK=block, ITERS=iters,
                KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=8)
+    ops.launch(tk._combine_kernel, (n,), [dev_params, part, stats, state, hcnt, hmass, chunks], CP=cp,
+               NB=NUM_BUCKETS, num_warps=4)
     flags = params[:, F_FLAGS]
-    if (flags & FLAG_SEARCH).any():
-        # One program per row searches; its [block, probes] comparisons want a narrower block.
-        ops.launch(tk._select_kernel, (n,), common + [part, stats, vocab, chunks], CP=cp, BLOCK=min(block, 512),
-                   NP=probes, num_warps=8)
-    else:
-        ops.launch(tk._select_kernel, (n,), common + [part, stats, vocab, chunks], CP=cp, BLOCK=min(block, 512),
-                   NP=probes, num_warps=4)
-    if not (flags & FLAG_GREEDY).all():
-        ops.launch(tk._draw_kernel, (n, chunks), common + [part, stats, vocab, chunks], BLOCK=block, ITERS=iters,
+    both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold
+    searching = (flags & (FLAG_TOPK | FLAG_TOPP)) != 0
+    for _ in range(ROUNDS_PER_SEARCH * (2 if both.any() else 1) if searching.any() else 0):
+        ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab], NB=NUM_BUCKETS, BLOCK=block,
+                   ITERS=iters, num_warps=8)
+        ops.launch(tk._select_kernel, (n,), [dev_params, state, hcnt, hmass], NB=NUM_BUCKETS, num_warps=4)
+    if (flags & FLAG_TOPP).any():
+        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks], BLOCK=block, ITERS=iters,
                    num_warps=8)
-    ops.launch(tk._finish_kernel, (n,), [logits, stride_l, dev_params, part, stats, tops, out, vocab, chunks],
-               CP=cp, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=4)
+    if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, vocab, chunks], CP=cp, BLOCK=block,
+                   ITERS=iters, num_warps=8)
+    ops.launch(tk._finish_kernel, (n,), [logits, stride_l, table, stride_c, dev_params, part, stats, tops, out,
+                                         vocab, chunks], CP=cp, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=4)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)
+    if counts is not None:
+        counts.advance(slots, tokens)
     k = max(batch.max_logprobs, 0)
     return SamplingOutput(tokens, codes, host[:, 2].view(np.float32).copy(), host[:, 3:3 + k].astype(np.int64),
                           host[:, 3 + MAX_LOGPROBS:3 + MAX_LOGPROBS + k].view(np.float32).copy(),

@@ -1,12 +1,22 @@
 """Triton kernels of the device sampler (README.md has the math). Framework-neutral: pointers and strides only.
 
-A step runs ``_modify_kernel`` (rows with logit_bias / penalties / banned ids get a float32 working copy with
-those entries changed), ``_stats_kernel`` over (row, chunk) programs (row maximum, arg-max, sum of exponentials of
-the scaled row and of the raw row, NaN flags, the chunk's top raw logits for logprobs), ``_select_kernel`` per row
-(combines the chunks, then finds the top-k / top-p threshold by a 16-way search over the float32 bit patterns of
-``e = exp(s - max)``), ``_draw_kernel`` over (row, chunk) programs (Gumbel-max over the kept tokens with Philox
-uniforms keyed by seed, position and token id) and ``_finish_kernel`` per row (the token, its error code, its
-logprob and the top logprobs, in one int32 row per sampled row).
+Every pass over the vocabulary runs as (row, chunk) programs; the per-row steps between them read only per-chunk
+partials or a row's histogram. A step runs:
+
+- ``_modify_kernel`` (working row, chunk): rows with ``logit_bias`` or banned ids get a float32 working copy with
+  those entries changed.
+- ``_stats_kernel`` (row, chunk): maximum, arg-max, sums of exponentials of the sampled and the raw row, allowed
+  count, NaN flag, the chunk's top raw logits for logprobs, and for rows without filters the Gumbel-max draw itself.
+- ``_combine_kernel`` (row): the chunks combined; the threshold search's state set up.
+- ``_hist_kernel`` (row, chunk) then ``_select_kernel`` (row), at most three rounds per filter: a count and a
+  fixed-point mass histogram over the float32 bit patterns of ``e = exp(s - max)`` in the current key range, then
+  the bucket where top-k's count or top-p's mass is reached, which becomes the next round's range (radix select).
+- ``_ties_kernel`` (row, chunk): per chunk, the tokens equal to a top-p threshold that only some of them pass.
+- ``_draw_kernel`` (row, chunk): Gumbel-max over the kept tokens, Philox uniforms keyed by (seed, position, token).
+- ``_finish_kernel`` (row): the token, its error code, logprob and top logprobs in one int32 row, and the sampled
+  token counted in the request's device counts.
+
+``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
 """
 
 import triton
@@ -14,109 +24,163 @@ import triton.language as tl
 
 # Per-row parameters, one int32 row each (floats stored as their bit patterns). Globals a kernel reads must be
 # constexpr; the launcher takes their int values.
-F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP = (
-    tl.constexpr(i) for i in range(12))
-NUM_FIELDS = tl.constexpr(12)
+(F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
+ F_REP, F_FREQ, F_PRES) = (tl.constexpr(i) for i in range(16))
+NUM_FIELDS = tl.constexpr(16)
 FLAG_GREEDY = tl.constexpr(1)
-FLAG_SEARCH = tl.constexpr(2)  # top_k or top_p is set
-# Partials per (row, chunk), float32 planes.
-P_MAX, P_SUM, P_RMAX, P_RSUM, P_ARG, P_NAN, P_BEST, P_BID = (tl.constexpr(i) for i in range(8))
-NUM_PLANES = tl.constexpr(8)
-# Per-row results of _select_kernel, float32 / int32 planes.
-S_M, S_LSE, S_THR, S_CUT, S_ARG, S_ERR = (tl.constexpr(i) for i in range(6))
-NUM_STATS = tl.constexpr(6)
+FLAG_TOPK = tl.constexpr(2)
+FLAG_TOPP = tl.constexpr(4)
+FLAG_MINP = tl.constexpr(8)
+FILTERS = tl.constexpr(15)  # greedy or any filter: the draw is not fused into the stats pass
+# Partials per (row, chunk), float32 planes (ints as bits).
+P_MAX, P_SUM, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES = (tl.constexpr(i) for i in range(10))
+NUM_PLANES = tl.constexpr(10)
+# Per-row results of _combine_kernel, float32 planes (ints as bits).
+S_M, S_LSE, S_TOK, S_ERR = (tl.constexpr(i) for i in range(4))
+NUM_STATS = tl.constexpr(4)
+# The threshold search's per-row state, int64.
+ST_PHASE, ST_LO, ST_HI, ST_SHIFT, ST_FLOOR, ST_ACNT, ST_AMASS, ST_TARGET, ST_THR, ST_NEED = (
+    tl.constexpr(i) for i in range(10))
+NUM_STATE = tl.constexpr(10)
+PHASE_DONE = tl.constexpr(0)
+PHASE_K = tl.constexpr(1)
+PHASE_P = tl.constexpr(2)
 ERR_NAN = tl.constexpr(1)
 ERR_NONE_ALLOWED = tl.constexpr(2)
 ONE_KEY = tl.constexpr(0x3F800000)  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
 BIG = tl.constexpr(2147483647)
+# Histogram rounds: keys >> 19 (2033 buckets over [0, 1]), then >> 8 inside one of them, then single keys.
+NUM_BUCKETS = tl.constexpr(2048)
+SHIFT1 = tl.constexpr(19)
+SHIFT2 = tl.constexpr(8)
+MASS_SCALE = tl.constexpr(1099511627776.0)  # 2^40: e in fixed point; V * 2^40 < 2^63 for V < 2^23
 
 
 @triton.jit
-def _param(prm, r, field):
-    return tl.load(prm + r * NUM_FIELDS + field)
+def _row_params(prm, r):
+    """The row's parameters the value passes read, loaded once per program."""
+    p = prm + r * NUM_FIELDS
+    return (tl.load(p + F_ROW), tl.load(p + F_WORK), tl.load(p + F_MASK), tl.load(p + F_SLOT),
+            tl.load(p + F_REP).to(tl.float32, bitcast=True), tl.load(p + F_FREQ).to(tl.float32, bitcast=True),
+            tl.load(p + F_PRES).to(tl.float32, bitcast=True), tl.load(p + F_INV_T).to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _param_f(prm, r, field):
-    return tl.load(prm + r * NUM_FIELDS + field).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, offs, V):
-    """The raw logits of ``offs`` (-inf past V) and the sampled values ``s``: the working copy where the row has
-    one, -inf where the grammar mask clears the token, times 1 / temperature."""
+def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep, freq,
+            pres, inv_t, offs, V):
+    """The base logits of ``offs`` (float32, -inf past V; the row's working copy where it has one) and the sampled
+    values ``s``: the penalties from the request's counts (``c = 2 * output count + seen in the prompt``), -inf
+    where the grammar mask clears the token, times 1 / temperature."""
     inb = offs < V
-    raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=inb, other=float("-inf")).to(tl.float32)
-    x = raw
     if wrow >= 0:
         x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=inb, other=float("-inf"))
+    else:
+        x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=inb, other=float("-inf")).to(tl.float32)
+    v = x
+    if slot >= 0:
+        c = tl.load(counts + slot.to(tl.int64) * stride_c + offs, mask=inb, other=0)
+        v = tl.where(c > 0, tl.where(v > 0, v / rep, v * rep), v)
+        v = v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
     if mrow >= 0:
         words = tl.load(bitmask + mrow.to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
-        x = tl.where(((words >> (offs & 31)) & 1) != 0, x, float("-inf"))
-    return raw, x * inv_t
+        v = tl.where(((words >> (offs & 31)) & 1) != 0, v, float("-inf"))
+    return x, v * inv_t
 
 
 @triton.jit
-def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries, V, BLOCK: tl.constexpr):
-    """Working row ``w``: a float32 copy of logits row ``mods[w, 0]``, then for its entries ``[mods[w, 1],
-    mods[w, 2])`` of ``entries`` (planes: id, bias, repetition penalty, subtrahend; floats as bits):
-    ``v = x + bias; v = v / rep if v > 0 else v * rep; v -= sub`` (a banned id has sub = +inf)."""
+def _gumbel(k0, k1, pos, start, BLOCK: tl.constexpr):
+    """Gumbel noise ``-log(-log u)`` of tokens ``start .. start + BLOCK`` (start a multiple of 4): one Philox call
+    per 4 tokens (counter = token // 4, position), its words 0, 2, 1, 3 on tokens 4q .. 4q + 3."""
+    zero = tl.zeros([BLOCK // 4], tl.uint32)
+    q = start // 4 + tl.arange(0, BLOCK // 4)
+    w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), zero + pos, zero, zero, k0, k1)
+    words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK])
+    return -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
+
+
+@triton.jit
+def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries, V, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Working row ``w``, chunk ``c``: a float32 copy of logits row ``mods[w, 0]``, then of the entries
+    ``[mods[w, 1], mods[w, 2])`` of ``entries`` (planes: id, bias, subtrahend; floats as bits) those inside the
+    chunk: ``x + bias - sub`` (a banned id has sub = +inf)."""
     w = tl.program_id(0)
+    c = tl.program_id(1)
     row = tl.load(mods + w * 3)
     lo = tl.load(mods + w * 3 + 1)
     hi = tl.load(mods + w * 3 + 2)
     src = logits + row.to(tl.int64) * stride_l
     dst = work + w.to(tl.int64) * stride_w
-    for start in range(0, V, BLOCK):
+    c_lo = c * CHUNK
+    c_hi = tl.minimum(c_lo + CHUNK, V)
+    for start in range(c_lo, c_hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        tl.store(dst + offs, tl.load(src + offs, mask=offs < V).to(tl.float32), mask=offs < V)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < c_hi).to(tl.float32), mask=offs < c_hi)
     tl.debug_barrier()  # the copies above land before the entries overwrite some of them
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        ok = j < hi
-        ids = tl.load(entries + j, mask=ok, other=0)
+        ids = tl.load(entries + j, mask=j < hi, other=-1)
+        ok = (j < hi) & (ids >= c_lo) & (ids < c_hi)
         bias = tl.load(entries + num_entries + j, mask=ok, other=0).to(tl.float32, bitcast=True)
-        rep = tl.load(entries + 2 * num_entries + j, mask=ok, other=0).to(tl.float32, bitcast=True)
-        sub = tl.load(entries + 3 * num_entries + j, mask=ok, other=0).to(tl.float32, bitcast=True)
-        v = tl.load(src + ids, mask=ok, other=0).to(tl.float32) + bias
-        v = tl.where(v > 0, v / rep, v * rep) - sub
+        sub = tl.load(entries + 2 * num_entries + j, mask=ok, other=0).to(tl.float32, bitcast=True)
+        v = tl.load(src + ids, mask=ok, other=0).to(tl.float32) + bias - sub
         tl.store(dst + ids, v, mask=ok)
 
 
 @triton.jit
-def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, tops, V, C,
+def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, V, C,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr):
     r = tl.program_id(0)
     c = tl.program_id(1)
-    row = _param(prm, r, F_ROW)
-    wrow = _param(prm, r, F_WORK)
-    mrow = _param(prm, r, F_MASK)
-    inv_t = _param_f(prm, r, F_INV_T)
-    nlp = _param(prm, r, F_NLP)
+    row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+    p = prm + r * NUM_FIELDS
+    nlp = tl.load(p + F_NLP)
+    fused = (tl.load(p + F_FLAGS) & FILTERS) == 0
+    k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+    k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+    pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
     m_run = float("-inf")
     s_run = 0.0
     rm_run = float("-inf")
     rs_run = 0.0
     arg = BIG
     nan = 0
+    cnt = 0
+    best = float("-inf")
+    bid = BIG
     if TOPS:
         run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
     for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-        offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        raw, s = _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, offs, V)
+        start = (c * ITERS + i) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
+                       rep, freq, pres, inv_t, offs, V)
+        raw = x
+        if wrow >= 0:
+            raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
+                          other=float("-inf")).to(tl.float32)
         nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), 0))
+        allowed = s > float("-inf")
+        cnt += tl.sum(allowed.to(tl.int32), 0)
         bm = tl.max(s, 0)
         barg = tl.min(tl.where(s == bm, offs, BIG), 0)
         arg = tl.where(bm > m_run, barg, arg)
         new_m = tl.maximum(m_run, bm)
-        finite = new_m > float("-inf")
-        s_run = tl.where(finite, s_run * tl.exp(m_run - new_m) + tl.sum(tl.exp(s - new_m), 0), 0.0)
+        s_run = tl.where(new_m > float("-inf"), s_run * tl.exp(m_run - new_m) + tl.sum(tl.exp(s - new_m), 0), 0.0)
         m_run = new_m
-        rbm = tl.max(raw, 0)
-        new_rm = tl.maximum(rm_run, rbm)
-        rfinite = new_rm > float("-inf")
-        rs_run = tl.where(rfinite, rs_run * tl.exp(rm_run - new_rm) + tl.sum(tl.exp(raw - new_rm), 0), 0.0)
-        rm_run = new_rm
+        if nlp >= 0:
+            rbm = tl.max(raw, 0)
+            new_rm = tl.maximum(rm_run, rbm)
+            rs_run = tl.where(new_rm > float("-inf"),
+                              rs_run * tl.exp(rm_run - new_rm) + tl.sum(tl.exp(raw - new_rm), 0), 0.0)
+            rm_run = new_rm
+        if fused:
+            # No filter: the Gumbel-max draw needs no row statistic, so it rides on this pass.
+            score = tl.where(allowed, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
+            sbm = tl.max(score, 0)
+            sid = tl.min(tl.where(score == sbm, offs, BIG), 0)
+            bid = tl.where(sbm > best, sid, bid)
+            best = tl.maximum(best, sbm)
         if TOPS:
             if nlp > 0:
                 # Largest raw logit first, ties to the lower id: the order-preserving int32 of the float above
@@ -135,66 +199,18 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part
     tl.store(base + P_RSUM * plane, rs_run)
     tl.store(base + P_ARG * plane, arg.to(tl.float32, bitcast=True))
     tl.store(base + P_NAN * plane, nan.to(tl.float32, bitcast=True))
+    tl.store(base + P_CNT * plane, cnt.to(tl.float32, bitcast=True))
+    tl.store(base + P_BEST * plane, best)
+    tl.store(base + P_BID * plane, bid.to(tl.float32, bitcast=True))
     if TOPS:
         if nlp > 0:
             tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
 
 
 @triton.jit
-def _probe(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m, V, probes, floor_key,
-           MASS: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):
-    """For each probe key t: the mass (MASS) or count of tokens with ``key(e) >= t`` among those with
-    ``key(e) >= floor_key`` (the top-k set), one pass over the row, float64 sums."""
-    acc = tl.zeros([NP], tl.float64)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        raw, s = _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, offs, V)
-        e = tl.exp(s - m)
-        key = e.to(tl.int32, bitcast=True)
-        if MASS:
-            w = e
-        else:
-            w = tl.full([BLOCK], 1.0, tl.float32)
-        w = tl.where((key >= floor_key) & (offs < V), w, 0.0)
-        hit = key[:, None] >= probes[None, :]
-        # float32 within a block (<= 2^24 exact counts; mass to ~1e-7 of it), float64 across blocks.
-        acc += tl.sum(tl.where(hit, w[:, None], 0.0), 0).to(tl.float64)
-    return acc
-
-
-@triton.jit
-def _search(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m, V, target, total,
-            floor_key, MASS: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):
-    """The largest key t with F(t) >= target (F: :func:`_probe`), F(t) and F(t + 1), by 16-way splits of
-    ``[0, ONE_KEY]``; F(0) = ``total``."""
-    lo = 0
-    hi = ONE_KEY + 1
-    f_lo = total
-    f_hi = total * 0.0
-    j = tl.arange(0, NP)
-    while hi - lo > 1:
-        step = (hi - lo + NP - 1) // NP
-        probes = tl.minimum(lo + step * (j + 1), hi)
-        f = _probe(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m, V, probes,
-                   floor_key, MASS, BLOCK, NP)
-        f = tl.where(probes == hi, f_hi, f)
-        ok = f >= target
-        any_ok = tl.max(ok.to(tl.int32), 0)
-        all_ok = tl.min(ok.to(tl.int32), 0)
-        new_lo = tl.max(tl.where(ok, probes, -1), 0)
-        new_f_lo = tl.min(tl.where(ok, f, float("inf")), 0)
-        new_hi = tl.min(tl.where(ok, BIG, probes), 0)
-        new_f_hi = tl.max(tl.where(ok, float("-inf"), f), 0)
-        f_lo = tl.where(any_ok > 0, new_f_lo, f_lo)
-        lo = tl.where(any_ok > 0, new_lo, lo)
-        f_hi = tl.where(all_ok > 0, f_hi, new_f_hi)
-        hi = tl.where(all_ok > 0, hi, new_hi)
-    return lo, f_lo, f_hi
-
-
-@triton.jit
-def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, stats, V, C,
-                   CP: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr):
+def _combine_kernel(prm, part, stats, state, hcnt, hmass, C, CP: tl.constexpr, NB: tl.constexpr):
+    """Per row: the chunks' partials combined (max, log-sum-exp of the raw row, arg-max, errors, the fused draw's
+    token), the row's histograms zeroed and its threshold search set up."""
     r = tl.program_id(0)
     R = tl.num_programs(0)
     plane = R * C
@@ -203,8 +219,6 @@ def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, par
     base = part + r * C + cs
     pm = tl.load(base + P_MAX * plane, mask=cm, other=float("-inf"))
     m = tl.max(pm, 0)
-    ps = tl.load(base + P_SUM * plane, mask=cm, other=0.0)
-    total = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), 0)
     pa = tl.load(base + P_ARG * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True)
     arg = tl.min(tl.where((pm == m) & cm, pa, BIG), 0)
     p_rmax = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"))
@@ -212,92 +226,211 @@ def _select_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, par
     p_rsum = tl.load(base + P_RSUM * plane, mask=cm, other=0.0)
     lse = rm + tl.log(tl.sum(tl.where(p_rmax > float("-inf"), p_rsum * tl.exp(p_rmax - rm), 0.0), 0))
     nan = tl.max(tl.load(base + P_NAN * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True), 0)
+    allowed = tl.sum(tl.load(base + P_CNT * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True), 0)
     err = tl.where(nan > 0, ERR_NAN, tl.where(m == float("-inf"), ERR_NONE_ALLOWED, 0))
-    thr = 0
-    cut = V
-    flags = _param(prm, r, F_FLAGS)
-    if ((flags & FLAG_SEARCH) != 0) & (err == 0):
-        row = _param(prm, r, F_ROW)
-        wrow = _param(prm, r, F_WORK)
-        mrow = _param(prm, r, F_MASK)
-        inv_t = _param_f(prm, r, F_INV_T)
-        top_k = _param(prm, r, F_TOP_K)
-        top_p = _param_f(prm, r, F_TOP_P)
-        mass = total.to(tl.float64)
-        if top_k > 0:
-            thr, f_k, f_k1 = _search(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m,
-                                     V, top_k.to(tl.float64), V.to(tl.float64), 0, False, BLOCK, NP)
-            ks = tl.full([NP], thr, tl.int32)
-            mass = tl.max(_probe(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m, V,
-                                 ks, thr, True, BLOCK, NP), 0)
-        if top_p < 1.0:
-            # top_p 0 keeps one token: a positive target makes the search stop at the largest value.
-            target = tl.maximum(top_p.to(tl.float64) * mass, 1e-30)
-            floor_key = thr
-            thr, f_lo, f_hi = _search(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, m,
-                                      V, target, mass, floor_key, True, BLOCK, NP)
-            tau = thr.to(tl.float32, bitcast=True).to(tl.float64)
-            if (tau > 0) & (f_lo - f_hi > 1.5 * tau):
-                # Several tokens share the threshold value: keep the first `need` of them by id.
-                need = tl.maximum(tl.ceil((target - f_hi) / tau), 1.0).to(tl.int32)
-                count = 0
-                start = 0
-                while (start < V) & (cut == V):
-                    offs = start + tl.arange(0, BLOCK)
-                    raw, s = _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t,
-                                     offs, V)
-                    key = tl.exp(s - m).to(tl.int32, bitcast=True)
-                    tie = (key == thr) & (offs < V)
-                    seen = tl.cumsum(tie.to(tl.int32), 0) + count
-                    at = tl.min(tl.where(tie & (seen == need), offs, BIG), 0)
-                    cut = tl.where(at < BIG, at + 1, cut)
-                    count += tl.sum(tie.to(tl.int32), 0)
-                    start += BLOCK
-    out = stats + r
-    tl.store(out + S_M * R, m)
-    tl.store(out + S_LSE * R, lse)
-    tl.store(out + S_THR * R, thr.to(tl.float32, bitcast=True))
-    tl.store(out + S_CUT * R, cut.to(tl.float32, bitcast=True))
-    tl.store(out + S_ARG * R, arg.to(tl.float32, bitcast=True))
-    tl.store(out + S_ERR * R, err.to(tl.float32, bitcast=True))
+    flags = tl.load(prm + r * NUM_FIELDS + F_FLAGS)
+    token = arg
+    if (flags & FILTERS) == 0:
+        pb = tl.load(base + P_BEST * plane, mask=cm, other=float("-inf"))
+        pi = tl.load(base + P_BID * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True)
+        token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+    tl.store(stats + S_M * R + r, m)
+    tl.store(stats + S_LSE * R + r, lse)
+    tl.store(stats + S_TOK * R + r, token.to(tl.float32, bitcast=True))
+    tl.store(stats + S_ERR * R + r, err.to(tl.float32, bitcast=True))
+    j = tl.arange(0, NB)
+    tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
+    tl.store(hmass + r * NB + j, tl.zeros([NB], tl.int64))
+    top_k = tl.load(prm + r * NUM_FIELDS + F_TOP_K)
+    phase = tl.full([], PHASE_DONE, tl.int64)
+    target = tl.zeros([], tl.int64)
+    if (err == 0) & ((flags & FLAG_GREEDY) == 0):
+        if ((flags & FLAG_TOPK) != 0) & (top_k < allowed):
+            phase = tl.full([], PHASE_K, tl.int64)
+            target = top_k.to(tl.int64)
+        elif (flags & FLAG_TOPP) != 0:
+            phase = tl.full([], PHASE_P, tl.int64)
+            target = tl.full([], -1, tl.int64)  # top_p of the mass that the first round's histogram totals
+    st = state + r * NUM_STATE
+    tl.store(st + ST_PHASE, phase)
+    tl.store(st + ST_LO, tl.zeros([], tl.int64))
+    tl.store(st + ST_HI, tl.full([], ONE_KEY + 1, tl.int64))
+    tl.store(st + ST_SHIFT, tl.full([], SHIFT1, tl.int64))
+    tl.store(st + ST_FLOOR, tl.zeros([], tl.int64))
+    tl.store(st + ST_ACNT, tl.zeros([], tl.int64))
+    tl.store(st + ST_AMASS, tl.zeros([], tl.int64))
+    tl.store(st + ST_TARGET, target)
+    tl.store(st + ST_THR, tl.zeros([], tl.int64))
+    tl.store(st + ST_NEED, tl.full([], -1, tl.int64))
 
 
 @triton.jit
-def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part, stats, V, C,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
+                 hmass, V, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """One search round over (row, chunk): counts and fixed-point masses of the allowed tokens with keys in the
+    row's range ``[lo, hi)`` and at least ``floor``, by bucket ``(key - lo) >> shift``. Integer sums, so the
+    result does not depend on the order of the atomic adds."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_PHASE) != PHASE_DONE:
+        R = tl.num_programs(0)
+        m = tl.load(stats + S_M * R + r)
+        lo = tl.load(st + ST_LO).to(tl.int32)
+        hi = tl.load(st + ST_HI).to(tl.int32)
+        shift = tl.load(st + ST_SHIFT).to(tl.int32)
+        floor = tl.load(st + ST_FLOOR).to(tl.int32)
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
+            e = tl.exp(s - m)
+            key = e.to(tl.int32, bitcast=True)
+            inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
+            b = r * NB + ((key - lo) >> shift)
+            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr)
+            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr)
+
+
+@triton.jit
+def _select_kernel(prm, state, hcnt, hmass, NB: tl.constexpr):
+    """Per row after a round: the bucket where the count of top-k (target k) or the mass of top-p (target
+    ``ceil(top_p * mass)``) is reached from the top. A bucket that is one key, holds one token, or (top-k) ends
+    exactly at k settles the threshold; otherwise it is the next round's range. The histograms are zeroed for it."""
+    r = tl.program_id(0)
+    st = state + r * NUM_STATE
+    phase = tl.load(st + ST_PHASE)
+    if phase != PHASE_DONE:
+        j = tl.arange(0, NB)
+        hc = tl.load(hcnt + r * NB + j).to(tl.int64)
+        hm = tl.load(hmass + r * NB + j)
+        tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
+        tl.store(hmass + r * NB + j, tl.zeros([NB], tl.int64))
+        lo = tl.load(st + ST_LO)
+        shift = tl.load(st + ST_SHIFT)
+        floor = tl.load(st + ST_FLOOR)
+        acnt = tl.load(st + ST_ACNT)
+        amass = tl.load(st + ST_AMASS)
+        target = tl.load(st + ST_TARGET)
+        top_p = tl.load(prm + r * NUM_FIELDS + F_TOP_P).to(tl.float32, bitcast=True).to(tl.float64)
+        if target < 0:
+            total = (amass + tl.sum(hm, 0)).to(tl.float64)
+            target = tl.maximum(tl.ceil(top_p * total), 1.0).to(tl.int64)
+        is_k = phase == PHASE_K
+        val = tl.where(is_k, hc, hm)
+        above = tl.where(is_k, acnt, amass)
+        suffix = tl.sum(val, 0) - tl.cumsum(val, 0) + val  # sum over buckets >= j
+        b = tl.max(tl.where(above + suffix >= target, j, -1), 0)
+        # b < 0 only when rounding leaves the whole range short of top_p's target: everything in it is kept.
+        bc = tl.sum(tl.where(j == b, hc, 0), 0)
+        bm = tl.sum(tl.where(j == b, hm, 0), 0)
+        acnt = acnt + tl.sum(tl.where(j > b, hc, 0), 0)
+        amass = amass + tl.sum(tl.where(j > b, hm, 0), 0)
+        bstart = lo + (tl.maximum(b, 0).to(tl.int64) << shift)
+        blo = tl.maximum(bstart, floor)
+        need = tl.full([], -1, tl.int64)
+        settled = (b < 0) | (shift == 0) | (bc == 1)
+        if is_k:
+            settled = settled | (acnt + bc == target)
+        else:
+            if (shift == 0) & (bc > 1) & (b >= 0):
+                # One value shared by bc tokens: the first ceil(rest / its mass) of them by id reach the target.
+                per = tl.maximum(bm // bc, 1)
+                need = (target - amass + per - 1) // per
+                need = tl.where(need >= bc, -1, need)
+        if settled:
+            if is_k & ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0):
+                # top-p over the top-k set: a new search above the top-k threshold, against its mass.
+                kmass = (amass + tl.where(b >= 0, bm, 0)).to(tl.float64)
+                tl.store(st + ST_PHASE, tl.full([], PHASE_P, tl.int64))
+                tl.store(st + ST_FLOOR, blo)
+                tl.store(st + ST_LO, tl.zeros([], tl.int64))
+                tl.store(st + ST_HI, tl.full([], ONE_KEY + 1, tl.int64))
+                tl.store(st + ST_SHIFT, tl.full([], SHIFT1, tl.int64))
+                tl.store(st + ST_ACNT, tl.zeros([], tl.int64))
+                tl.store(st + ST_AMASS, tl.zeros([], tl.int64))
+                p_target = tl.maximum(tl.ceil(top_p * kmass), 1.0)
+                tl.store(st + ST_TARGET, p_target.to(tl.int64))
+                tl.store(st + ST_THR, blo)
+            else:
+                tl.store(st + ST_PHASE, tl.full([], PHASE_DONE, tl.int64))
+                tl.store(st + ST_THR, blo)
+                tl.store(st + ST_NEED, need)
+        else:
+            tl.store(st + ST_LO, blo)
+            tl.store(st + ST_HI, bstart + (tl.full([], 1, tl.int64) << shift))
+            tl.store(st + ST_SHIFT, tl.where(shift > SHIFT2, SHIFT2, 0).to(tl.int64))
+            tl.store(st + ST_ACNT, acnt)
+            tl.store(st + ST_AMASS, amass)
+            tl.store(st + ST_TARGET, target)
+
+
+@triton.jit
+def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, V,
+                 C, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Per (row, chunk) of a row whose top-p threshold value only some of its tokens pass: how many tokens of the
+    chunk have it (the draw ranks them by id across chunks)."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_NEED) >= 0:
+        R = tl.num_programs(0)
+        m = tl.load(stats + S_M * R + r)
+        thr = tl.load(st + ST_THR).to(tl.int32)
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        n = 0
+        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
+            key = tl.exp(s - m).to(tl.int32, bitcast=True)
+            n += tl.sum(((key == thr) & (s > float("-inf")) & (offs < V)).to(tl.int32), 0)
+        tl.store(part + P_TIES * R * C + r * C + c, n.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, V,
+                 C, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
+    the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     R = tl.num_programs(0)
-    flags = _param(prm, r, F_FLAGS)
+    p = prm + r * NUM_FIELDS
+    flags = tl.load(p + F_FLAGS)
     err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
-    if ((flags & FLAG_GREEDY) == 0) & (err == 0):
-        row = _param(prm, r, F_ROW)
-        wrow = _param(prm, r, F_WORK)
-        mrow = _param(prm, r, F_MASK)
-        inv_t = _param_f(prm, r, F_INV_T)
-        min_p = _param_f(prm, r, F_MIN_P)
-        k0 = _param(prm, r, F_SEED_LO).to(tl.uint32, bitcast=True)
-        k1 = _param(prm, r, F_SEED_HI).to(tl.uint32, bitcast=True)
-        pos = _param(prm, r, F_POS).to(tl.uint32, bitcast=True)
+    if ((flags & FILTERS) != 0) & ((flags & FLAG_GREEDY) == 0) & (err == 0):
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+        k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+        pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+        st = state + r * NUM_STATE
         m = tl.load(stats + S_M * R + r)
-        thr = tl.load(stats + S_THR * R + r).to(tl.int32, bitcast=True)
-        cut = tl.load(stats + S_CUT * R + r).to(tl.int32, bitcast=True)
+        min_p = tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+        thr = tl.load(st + ST_THR).to(tl.int32)
+        need = tl.load(st + ST_NEED).to(tl.int32)
+        seen = 0
+        if need >= 0:
+            cs = tl.arange(0, CP)
+            ties = tl.load(part + P_TIES * R * C + r * C + cs, mask=cs < c, other=0.0).to(tl.int32, bitcast=True)
+            seen = tl.sum(ties, 0)
         best = float("-inf")
         bid = BIG
-        quarter = tl.zeros([BLOCK // 4], tl.uint32)
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            raw, s = _scaled(logits, stride_l, work, stride_w, bitmask, stride_m, row, wrow, mrow, inv_t, offs, V)
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
             e = tl.exp(s - m)
             key = e.to(tl.int32, bitcast=True)
-            keep = ((key > thr) | ((key == thr) & (offs < cut))) & (e >= min_p) & (offs < V)
-            # One Philox call per 4 tokens (counter = token // 4): its 4 words, joined and flattened, land on tokens
-            # 4q, 4q + 1, 4q + 2, 4q + 3 as words 0, 2, 1, 3.
-            q = ((c * ITERS + i) * BLOCK) // 4 + tl.arange(0, BLOCK // 4)
-            w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), quarter + pos, quarter, quarter, k0, k1)
-            words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK])
-            g = -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
-            score = tl.where(keep, s + g, float("-inf"))
+            keep = (s > float("-inf")) & (key >= thr) & (e >= min_p) & (offs < V)
+            if need >= 0:
+                tie = (key == thr) & (s > float("-inf")) & (offs < V)
+                rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+                keep = keep & ((key > thr) | (rank < need))
+                seen += tl.sum(tie.to(tl.int32), 0)
+            score = tl.where(keep, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
             bm = tl.max(score, 0)
             bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
             bid = tl.where(bm > best, bidx, bid)
@@ -308,29 +441,33 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, prm, part,
 
 
 @triton.jit
-def _finish_kernel(logits, stride_l, prm, part, stats, tops, out, V, C, CP: tl.constexpr, KP: tl.constexpr,
-                   TOPS: tl.constexpr):
-    """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)."""
+def _finish_kernel(logits, stride_l, counts, stride_c, prm, part, stats, tops, out, V, C, CP: tl.constexpr,
+                   KP: tl.constexpr, TOPS: tl.constexpr):
+    """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits);
+    the token counted (+2) in the row's counts."""
     r = tl.program_id(0)
     R = tl.num_programs(0)
-    flags = _param(prm, r, F_FLAGS)
+    p = prm + r * NUM_FIELDS
+    flags = tl.load(p + F_FLAGS)
     err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
-    token = tl.load(stats + S_ARG * R + r).to(tl.int32, bitcast=True)
-    if ((flags & FLAG_GREEDY) == 0) & (err == 0):
+    token = tl.load(stats + S_TOK * R + r).to(tl.int32, bitcast=True)
+    if ((flags & FILTERS) != 0) & ((flags & FLAG_GREEDY) == 0) & (err == 0):
         cs = tl.arange(0, CP)
         cm = cs < C
         plane = R * C
         pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"))
         pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0).to(tl.int32, bitcast=True)
-        best = tl.max(pb, 0)
-        token = tl.min(tl.where((pb == best) & cm, pi, BIG), 0)
+        token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
     token = tl.where(err == 0, token, 0)
     o = out + r * (3 + 2 * KP)
     tl.store(o, token)
     tl.store(o + 1, err)
-    nlp = _param(prm, r, F_NLP)
+    slot = tl.load(p + F_SLOT)
+    if (slot >= 0) & (err == 0):
+        tl.atomic_add(counts + slot.to(tl.int64) * stride_c + token, 2)
+    nlp = tl.load(p + F_NLP)
     if (nlp >= 0) & (err == 0):
-        row = _param(prm, r, F_ROW)
+        row = tl.load(p + F_ROW)
         lse = tl.load(stats + S_LSE * R + r)
         x = tl.load(logits + row.to(tl.int64) * stride_l + token).to(tl.float32)
         tl.store(o + 2, (x - lse).to(tl.int32, bitcast=True))
@@ -345,3 +482,28 @@ def _finish_kernel(logits, stride_l, prm, part, stats, tops, out, V, C, CP: tl.c
                 val = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                 tl.store(o + 3 + tl.arange(0, KP), ids)
                 tl.store(o + 3 + KP + tl.arange(0, KP), (val - lse).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _counts_reset_kernel(counts, stride_c, slots, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Zeroes chunk ``program_id(1)`` of counts row ``slots[program_id(0)]``."""
+    slot = tl.load(slots + tl.program_id(0))
+    lo = tl.program_id(1) * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(counts + slot.to(tl.int64) * stride_c + offs, tl.zeros([BLOCK], tl.int32), mask=offs < hi)
+
+
+@triton.jit
+def _counts_add_kernel(counts, stride_c, entries, n, BLOCK: tl.constexpr):
+    """``entries`` int32 ``[3, n]`` (slot, token, kind): a prompt token (kind 0) sets bit 0 of its count, an output
+    token (kind 1) adds 2."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < n
+    slot = tl.load(entries + j, mask=ok, other=0)
+    tok = tl.load(entries + n + j, mask=ok, other=0)
+    kind = tl.load(entries + 2 * n + j, mask=ok, other=0)
+    ptr = counts + slot.to(tl.int64) * stride_c + tok
+    tl.atomic_or(ptr, tl.full([BLOCK], 1, tl.int32), mask=ok & (kind == 0))
+    tl.atomic_add(ptr, tl.full([BLOCK], 2, tl.int32), mask=ok & (kind == 1))

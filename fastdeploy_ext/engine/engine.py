@@ -1,4 +1,5 @@
-"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out."""
+"""LLMEngine: engine requests in, one scheduler step at a time, each advanced sequence's ``EngineOutput`` (token ids)
+out. Construction is engine/builder.py's; text, stop strings and output parsing are engine/output_processor.py's."""
 
 from __future__ import annotations
 

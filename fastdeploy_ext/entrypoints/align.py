@@ -56,7 +56,7 @@ def require_align_extra(*, extras: tuple = (), plot: bool = False) -> None:
 def import_dasheng():
     """``dasheng.pretrained.pretrained`` or :class:`MissingExtraError`.
 
-    dasheng pulls torchaudio, whose C extensions may be built for another torch (spec midashenglm.md §10: the
+    dasheng pulls torchaudio, whose C extensions may be built for another torch (docs/models/midashenglm.md: the
     torchaudio 2.11 wheel against torch 2.13+cpu fails with ``libc10_cuda.so`` missing). The fix edits the
     installed torchaudio, so it is explained rather than applied here.
     """
@@ -67,7 +67,7 @@ def import_dasheng():
             f"MiDashengLM alignment needs dasheng, which cannot be imported ({e}): {INSTALL_HINT} (it includes dasheng==0.0.9). "
             "If dasheng is installed and torchaudio's C extensions were built for another torch, install a matching "
             "torch/torchaudio pair or delete _torchaudio*.so, libtorchaudio*.so and torchaudio_prefixctc*.so from "
-            "torchaudio/lib (torchaudio then runs in pure Python; specs/midashenglm.md §10)") from None
+            "torchaudio/lib (torchaudio then runs in pure Python; docs/models/midashenglm.md)") from None
     return pretrained
 
 

@@ -71,8 +71,7 @@ def model_shape(model_dir: str) -> ModelShape:
     expected = {t.name: t.shape for t in shape.tensors}
     on_disk = _checkpoint_shapes(model_dir)
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
-    ignorable = ("rotary_emb.inv_freq", "num_batches_tracked", "slope_rate", "query_decay", "key_decay",
-                 "diagonal_decay", "spectrogram.window", "mel_scale.fb")
+    ignorable = shape.ignored
     if on_disk is not None:
         extra = sorted(n for n in set(on_disk) - set(expected) if not n.endswith(ignorable))
         missing = sorted(set(expected) - set(on_disk))

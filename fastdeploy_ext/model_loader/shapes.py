@@ -48,6 +48,7 @@ class ModelShape:
     lm_head_fp32: bool = False
     max_position_embeddings: int = 0
     source: str = ""
+    ignored: tuple = ()  # name suffixes of checkpoint tensors the loader skips (recomputed buffers)
 
 
 def _count(raw, key: str) -> int:

@@ -7,7 +7,7 @@ runs at most once per clip per request: its rows are cached on the request's :cl
 chunks and a recompute after preemption reuse them, and they are released with the request. A clip whose whole span
 was resumed from the prefix cache is never encoded. Decode steps never touch audio.
 
-Checkpoint names (spec §7, docs/models/midashenglm.md): ``audio_encoder.*`` (``blocks.{i}``), ``audio_projector.net.{0,2}``,
+Checkpoint names (docs/models/midashenglm.md): ``audio_encoder.*`` (``blocks.{i}``), ``audio_projector.net.{0,2}``,
 ``decoder.model.*``, ``decoder.lm_head``.
 """
 
@@ -90,7 +90,7 @@ class MiDashengLMModel(ModelForCausalLM):
     # The decoder's fused parameters and the checkpoint projections they hold, in shard order (FastDeploy spelling);
     # quantization matches per-shard names with it.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "up_gate_proj": ["gate_proj", "up_proj"]}
-    # Kept in full precision under any quantization (spec §8): only the decoder's linears are quantized.
+    # Kept in full precision under any quantization: only the decoder's linears are quantized.
     quant_skip_modules = ("audio_encoder", "audio_projector")
 
     def __init__(self, fd_config):

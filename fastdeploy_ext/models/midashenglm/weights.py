@@ -51,5 +51,5 @@ def checkpoint_shape(raw: dict) -> ModelShape:
     cfg = MiDashengLMModelConfig.from_hf_config(raw)
     tensors = midashenglm_tensors(cfg, None if cfg.text.tie_word_embeddings else "decoder.lm_head.weight")
     shape = qwen2_shape(cfg.text, tensors)
-    shape.arch = cfg.architectures[0]
+    shape.arch, shape.ignored = cfg.architectures[0], IGNORED_TENSORS
     return shape

@@ -1,6 +1,6 @@
 """Typed config for MiniMax-M1 / MiniMax-Text-01 (hybrid lightning + GQA decoder with a top-k MoE).
 
-Two on-disk formats (docs/models/minimax_m1.md, specs/minimax_m1.md §1):
+Two on-disk formats (docs/models/minimax_m1.md):
 
 - original remote code (``model_type`` ``minimax_m1`` / ``minimax_text_01``): ``attn_type_list`` (ints),
   ``rotary_dim``, ``layernorm_{full_attention,linear_attention,mlp}_{alpha,beta}``, ``postnorm``,

@@ -70,8 +70,8 @@ class MiniMaxM1Attention(nn.Layer):
 
 
 class MiniMaxM1DecoderLayer(nn.Layer):
-    """DeepNorm residual (spec §5). With ``postnorm`` (every released checkpoint) the residual carried is
-    the normed tensor::
+    """DeepNorm residual (docs/models/minimax_m1.md). With ``postnorm`` (every released checkpoint) the
+    residual carried is the normed tensor::
 
         a = norm_in(x);  h = alpha_attn * a + beta_attn * attn(a)
         b = norm_post(h); y = alpha_mlp * b + beta_mlp * moe(b)

@@ -77,4 +77,4 @@ def checkpoint_shape(raw: dict) -> ModelShape:
         widest_local=[lambda tp: top_k * 2 * inter // tp, lambda tp: 4 * hd // tp],
         # Lightning q, k, v, output in fp32, plus one 256-token block's per-head KV state per block.
         fp32_local=[lambda tp: 4 * hd // tp + (hd // tp) * d // cfg.block_size],
-        lm_head_fp32=True, max_position_embeddings=cfg.max_position_embeddings)
+        lm_head_fp32=True, max_position_embeddings=cfg.max_position_embeddings, ignored=MINIMAX_IGNORED)

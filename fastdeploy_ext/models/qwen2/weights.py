@@ -50,7 +50,7 @@ def qwen2_shape(cfg: Qwen2Config, tensors: list[Tensor]) -> ModelShape:
         num_full_layers=cfg.num_hidden_layers,
         widest_local=[lambda tp, c=cfg: 2 * c.intermediate_size // tp,
                       lambda tp, c=cfg: (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim // tp],
-        max_position_embeddings=cfg.max_position_embeddings)
+        max_position_embeddings=cfg.max_position_embeddings, ignored=QWEN2_IGNORED)
 
 
 def checkpoint_shape(raw: dict) -> ModelShape:

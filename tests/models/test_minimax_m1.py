@@ -257,6 +257,18 @@ def test_loader_is_strict(tmp_path, fmt, case, edit, match):
         LLM(model=_variant(src, str(tmp_path / case), edit), max_model_len=64)
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_checkpoint_table_is_the_checkpoint(tmp_path, fmt):
+    """The registry's checkpoint table (read by the shape checks and the planner, routed by load_weights) lists
+    exactly the tensors of each format's checkpoint, with their shapes."""
+    from fastdeploy_ext.model_loader.safetensors_loader import checkpoint_layout
+    from fastdeploy_ext.models.registry import checkpoint_shape
+
+    raw = write_tiny(FORMATS[fmt], str(tmp_path), seed=0)
+    table = {t.name: t.shape for t in checkpoint_shape(raw).tensors}
+    assert table == {name: shape for _, specs in checkpoint_layout(str(tmp_path)) for name, shape, _ in specs}
+
+
 def test_hf_decay_buffers_are_ignored(tmp_path):
     """transformers persists slope_rate / query_decay / key_decay / diagonal_decay; they are recomputed."""
     src = str(tmp_path / "src")

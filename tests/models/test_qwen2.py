@@ -82,6 +82,19 @@ def test_tied_embeddings_match_hf(tmp_path):
     assert produced == 16 and worst <= 1e-4
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_table_is_the_checkpoint(tmp_path, tied):
+    """The registry's checkpoint table (read by the shape checks and the planner, routed by load_weights) lists
+    exactly the checkpoint's tensors, with their shapes; a tied checkpoint has no head."""
+    from fastdeploy_ext.model_loader.safetensors_loader import checkpoint_layout
+    from fastdeploy_ext.models.registry import checkpoint_shape
+
+    raw = write_tiny("Qwen2ForCausalLM", str(tmp_path), seed=0, tie_word_embeddings=tied)
+    table = {t.name: t.shape for t in checkpoint_shape(raw).tensors}
+    assert table == {name: shape for _, specs in checkpoint_layout(str(tmp_path)) for name, shape, _ in specs}
+    assert ("lm_head.weight" in table) is not tied
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst

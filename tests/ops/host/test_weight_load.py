@@ -46,3 +46,23 @@ def test_transposed_or_partial_values_are_copied(checkpoint):
     assign(rows, lazy["embed"][:], (slice(0, 1000),))
     assert np.array_equal(rows.numpy()[:1000], tensors["embed"])
     assert not rows.numpy()[1000:].any()
+
+
+def test_linear_follows_a_parameter_whose_memory_was_replaced():
+    """The host linear keeps views of its weight and bias; a parameter given new memory after a forward (a
+    reload that keeps a file's pages) is read from the new memory."""
+    from fastdeploy_ext.layers.linear import ReplicatedLinear
+
+    rng = np.random.default_rng(17)
+    lin = ReplicatedLinear(None, "m.proj", 17, 255, with_bias=True)
+    w, b = rng.standard_normal((255, 17)).astype(np.float32), rng.standard_normal(255).astype(np.float32)
+    lin.weight_loader(lin.weight, w)
+    lin.weight_loader(lin.bias, b)
+    x = rng.standard_normal((3, 17)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + b
+    assert np.abs(lin(paddle.to_tensor(x)).numpy() - ref).max() < 1e-4
+    w2, b2 = 2 * w, b - 1
+    paddle.to_tensor(np.ascontiguousarray(w2.T))._share_buffer_to(lin.weight)
+    paddle.to_tensor(b2)._share_buffer_to(lin.bias)
+    ref2 = x.astype(np.float64) @ w2.T.astype(np.float64) + b2
+    assert np.abs(lin(paddle.to_tensor(x)).numpy() - ref2).max() < 1e-4

@@ -12,6 +12,9 @@ times:
   against ``fastdeploy-ext serve --max-num-seqs <concurrency>``: output tokens/s over the run and mean time to first
   streamed token. Both servers get the same prompts (token ids, so no tokenizer difference) in each pair.
 
+llama.cpp runs with its defaults (F16 KV cache; flash attention, which casts F32 K/V to F16) unless
+``--llama-f32-attention`` is given. ``benchmarks/agree_llamacpp.py`` checks both settings against HF.
+
     python benchmarks/bench_vs_llamacpp.py --llama-cpp /work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --bin /work/llamacpp/build/bin --threads 2 --pairs 3
     python benchmarks/bench_vs_llamacpp.py --mode served --prompt 256 --gen 64 --requests 32 --concurrency 8 \\
@@ -160,11 +163,18 @@ def server(cmd: list[str], port: int, limit_s: float, start_timeout: float, env:
         log.close()
 
 
-def llama_server(bin_dir: str, gguf: str, threads: int, slots: int, ctx: int, limit_s: float = 3600,
-                 start_timeout: float = 300):
+# llama.cpp's defaults run attention in F16: an F16 KV cache, and flash attention (on for the CPU under "auto")
+# casts F32 K/V to F16 (src/llama-graph.cpp). These flags make llama-server F32 like the engine; llama-bench takes
+# no f32 cache type (its -ctk knows f16, bf16 and quantized types only), so there only flash attention goes off.
+F32_ATTENTION = ["-fa", "off", "-ctk", "f32", "-ctv", "f32"]
+BENCH_NO_FLASH = ["-fa", "off"]
+
+
+def llama_server(bin_dir: str, gguf: str, threads: int, slots: int, ctx: int, extra: tuple = (),
+                 limit_s: float = 3600, start_timeout: float = 300):
     port = free_port()
     cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-tb", str(threads),
-           "-np", str(slots), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+           "-np", str(slots), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra]
     return server(cmd, port, limit_s, start_timeout)
 
 
@@ -178,10 +188,10 @@ def engine_server(model_dir: str, threads: int, slots: int, max_model_len: int, 
     return server(cmd, port, limit_s, start_timeout, env=env)
 
 
-def llama_bench(bin_dir, gguf, threads, prompt, gen):
+def llama_bench(bin_dir, gguf, threads, prompt, gen, extra=()):
     out = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-p", str(prompt),
-                          "-n", str(gen), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True,
-                         timeout=1800)
+                          "-n", str(gen), "-r", "1", "-o", "json", *extra], capture_output=True, text=True,
+                         check=True, timeout=1800)
     rows = json.loads(out.stdout)
     return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
 
@@ -261,7 +271,9 @@ def served_pair(args, model_dir: str, gguf: str, seed: int) -> tuple[dict, dict]
     warm = [rng.integers(0, 500, size=args.prompt).tolist() for _ in range(2)]
     per_seq = args.prompt + args.gen + 64
     out = []
-    for start in (lambda: llama_server(args.bin, gguf, args.threads, args.concurrency, args.concurrency * per_seq),
+    extra = F32_ATTENTION if args.llama_f32_attention else ()
+    for start in (lambda: llama_server(args.bin, gguf, args.threads, args.concurrency, args.concurrency * per_seq,
+                                       extra),
                   lambda: engine_server(model_dir, args.threads, args.concurrency, per_seq)):
         with start() as base:
             asyncio.run(_load(base, warm, 4, args.concurrency))
@@ -282,13 +294,19 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=None, help="generated tokens (default: 128 batch1, 64 served)")
     ap.add_argument("--requests", type=int, default=32, help="served: requests per run")
     ap.add_argument("--concurrency", type=int, default=8, help="served: requests in flight; llama-server -np")
+    ap.add_argument("--llama-f32-attention", action="store_true", help="llama-server with " + " ".join(F32_ATTENTION)
+                    + " (F32 attention like the engine), llama-bench with " + " ".join(BENCH_NO_FLASH) + ", instead "
+                    "of their defaults (F16 KV cache, flash attention)")
     args = ap.parse_args()
     served = args.mode == "served"
     args.prompt = args.prompt or (256 if served else 512)
     args.gen = args.gen or (64 if served else 128)
     from fastdeploy_ext.ops.cpu_features import describe_cpu
 
-    print(f"CPU: {describe_cpu()}; threads {args.threads}; shape {args.shape}; mode {args.mode}")
+    flags = "defaults (F16 KV cache, flash attention auto)"
+    if args.llama_f32_attention:
+        flags = " ".join(F32_ATTENTION if served else BENCH_NO_FLASH) + ("" if served else " (KV cache F16)")
+    print(f"CPU: {describe_cpu()}; threads {args.threads}; shape {args.shape}; mode {args.mode}; llama.cpp {flags}")
     os.makedirs(args.work, exist_ok=True)
     model_dir = checkpoint(args.work, args.shape)
     gguf = convert(args.llama_cpp, model_dir, os.path.join(args.work, f"{args.shape}.f32.gguf"))
@@ -301,7 +319,8 @@ def main() -> int:
                   f"{en['ttft'] * 1e3:.0f} ms; wall {lc['wall']:.1f} / {en['wall']:.1f} s; load average "
                   f"{os.getloadavg()[0]:.2f}", flush=True)
             continue
-        lc = llama_bench(args.bin, gguf, args.threads, args.prompt, args.gen)
+        lc = llama_bench(args.bin, gguf, args.threads, args.prompt, args.gen,
+                         BENCH_NO_FLASH if args.llama_f32_attention else ())
         en = engine_run(model_dir, args.threads, args.prompt, args.gen, seed=pair)
         print(f"pair {pair + 1}: prefill tok/s llama.cpp {lc['prefill']:.1f} engine {en['prefill']:.1f} "
               f"({en['prefill'] / lc['prefill']:.2f}x); decode tok/s llama.cpp {lc['decode']:.2f} engine "

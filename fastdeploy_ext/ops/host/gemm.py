@@ -31,8 +31,10 @@ _SPLIT_MIN_WORK = 1 << 21
 # Rows per band from which a product splits by rows (each thread reads the whole weight, from cache).
 _ROW_SPLIT_MIN = 16
 # Weight bytes per piece of a product split by the weight: a piece streams for a few hundred us against a few us
-# of claiming it, and a [896, 9728] fp32 weight (35 MB) gives the threads 8 pieces to balance.
+# of claiming it, and a [896, 9728] fp32 weight (35 MB) gives the threads 8 pieces to balance; at most
+# _MAX_PIECES (a 545 MB LM head in 17 MB pieces).
 _PIECE_BYTES = 4 << 20
+_MAX_PIECES = 32
 # Rows of ``x`` up to which a row-major weight is cut into row bands: the partial sums, one [M, N] per piece,
 # stay a small fraction of the weight's bytes; above it, column bands.
 _PARTIAL_ROWS_MAX = 4
@@ -64,7 +66,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
 
         run_parallel(band, range(parts))
         return out
-    pieces = max(parts, k * n * 4 // _PIECE_BYTES)
+    pieces = max(parts, min(_MAX_PIECES, k * n * 4 // _PIECE_BYTES))
     team = _team_of(parts)
     if w.strides[1] > w.strides[0] or m > _PARTIAL_ROWS_MAX:
         # Output column bands of 64-float multiples (whole cache lines of each output row); for a transposed

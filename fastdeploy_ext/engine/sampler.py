@@ -334,7 +334,7 @@ def _choose(x: np.ndarray, params: SamplingParams, generator, m=None) -> tuple[i
     elif params.temperature == 1.0:
         total = float(e.sum(dtype=np.float64))
     if params.top_p < 1.0:
-        cand = _top_p(e, cand, params.top_p)
+        cand = _top_p(e, cand, params.top_p, total)
     if params.min_p > 0.0:
         thr = e.dtype.type(params.min_p)
         if cand is None:
@@ -355,16 +355,17 @@ def _last_positive(w: np.ndarray) -> int:
     return int(np.flatnonzero(w)[-1])
 
 
-def _top_p(e: np.ndarray, cand: np.ndarray | None, top_p: float) -> np.ndarray | None:
+def _top_p(e: np.ndarray, cand: np.ndarray | None, top_p: float, total: float | None = None) -> np.ndarray | None:
     """The kept ids (ascending) of the smallest prefix by probability whose mass reaches ``top_p`` of the mass
-    of ``cand`` (all tokens when None); or None with ``e`` zeroed outside that prefix when it is large."""
+    of ``cand`` (all tokens when None; ``total``: ``e``'s sum when the caller has it); or None with ``e`` zeroed
+    outside that prefix when it is large."""
     if cand is None:
         # Every token below eps is past the cut: the tokens above it hold at least S - V * eps = top_p * S.
-        total = e.sum(dtype=np.float64)
+        total = e.sum(dtype=np.float64) if total is None else total
         eps = (1.0 - top_p) * total / e.size
-        above = np.flatnonzero(e >= eps)
-        if above.size <= _SORT_LIMIT:
-            return _prefix(e, above, top_p * total)
+        above = e >= eps
+        if np.count_nonzero(above) <= _SORT_LIMIT:  # counted first: a large set's ids are not needed
+            return _prefix(e, np.flatnonzero(above), top_p * total)
     elif cand.size <= _SORT_LIMIT:
         return _prefix(e, cand, top_p * e[cand].sum(dtype=np.float64))
     if cand is not None:
@@ -381,13 +382,15 @@ def _top_p(e: np.ndarray, cand: np.ndarray | None, top_p: float) -> np.ndarray |
     j = min(j, top_bin)
     b = top_bin - j
     above_mass = from_top[j - 1] if j > 0 else 0.0
-    edge = np.flatnonzero(keys == b)
+    kept = np.flatnonzero(keys >= b)  # one pass over the vocabulary for both the bin and the tokens above it
+    at_b = keys[kept] == b
+    edge = kept[at_b]
     vals = e[edge]
     order = np.lexsort((edge, -vals))
     cum = above_mass + np.cumsum(vals[order], dtype=np.float64)
     cut = min(int(np.searchsorted(cum, target)) + 1, edge.size)
     kept_edge = edge[order[:cut]]
-    above = np.flatnonzero(keys > b)
+    above = kept[~at_b]
     if above.size + kept_edge.size <= e.size * _DENSE_FRACTION:
         return np.sort(np.concatenate([above, kept_edge]))
     dropped = np.ones(e.size, bool)

@@ -3,7 +3,8 @@
 torch and Paddle tensors launch through ``fastdeploy_ext/ops/launch.py`` (for Paddle: the compat layer on
 a GPU, zero-copy torch views or the host-tensor interpreter patch on the CPU). One host-to-device copy of the
 per-row parameters (plus one for the bias/ban entries and one for the grammar masks when a row has them) and one
-device-to-host copy of the results per call; the penalties' counts stay on the device (``PenaltyCounts``). Imports neither framework at import time.
+device-to-host copy of the results per call; the penalties' counts stay on the device (``PenaltyCounts``).
+Imports neither framework at import time.
 """
 
 from dataclasses import dataclass

@@ -13,6 +13,7 @@
    for a GPU (:data:`GPU_GUARDS`). Paddle's incubate CPU kernels are built for AVX-512 and die with SIGILL elsewhere.
 5. Only the layers' backend choice (:data:`BACKEND_CHOICE`) and ``ops/`` itself import ``ops/host``.
 6. Only the backend choice calls ``paddle.get_device()``.
+7. One framework adapter for Triton launches (:data:`LAUNCH_ADAPTER`): no other class defines ``owns`` and ``launch``.
 
 Imports are read everywhere in a module (function-level ones included; ``if TYPE_CHECKING:`` blocks excluded, they
 never run). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
@@ -689,6 +690,31 @@ def test_backend_choice_checker_sees_what_it_should(tmp_path):
         "fastdeploy_ext/models/m.py:1 imports fastdeploy_ext.ops.host"]
     assert sorted(device_queries_outside_choice(root)) == ["fastdeploy_ext/layers/attn.py:5",
                                                            "fastdeploy_ext/ops/launch.py:2"]
+
+
+# ---------------------------------------------------------------- rule 7: one launch adapter
+
+LAUNCH_ADAPTER = "fastdeploy_ext.ops.launch"
+
+
+def launch_adapters_outside(root: str) -> list[str]:
+    """Classes outside :data:`LAUNCH_ADAPTER` that define the adapter surface (both ``owns`` and ``launch``): every
+    op's launcher takes torch or Paddle tensors through the one adapter."""
+    found = []
+    for name, path in modules(root).items():
+        if name == LAUNCH_ADAPTER:
+            continue
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.ClassDef):
+                methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                if {"owns", "launch"} <= methods:
+                    found.append(f"{rel(path, root)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_one_launch_adapter():
+    found = launch_adapters_outside(package_dir())
+    assert not found, f"framework adapters for Triton launches outside {LAUNCH_ADAPTER}:\n  " + "\n  ".join(found)
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick report

@@ -366,35 +366,35 @@ def _top_p(e: np.ndarray, cand: np.ndarray | None, top_p: float, total: float | 
         above = e >= eps
         if np.count_nonzero(above) <= _SORT_LIMIT:  # counted first: a large set's ids are not needed
             return _prefix(e, np.flatnonzero(above), top_p * total)
+        ids, target = np.flatnonzero(above), top_p * total
     elif cand.size <= _SORT_LIMIT:
         return _prefix(e, cand, top_p * e[cand].sum(dtype=np.float64))
-    if cand is not None:
-        rest = np.ones(e.size, bool)
-        rest[cand] = False
-        e[rest] = 0
-    e32 = e if e.dtype == np.float32 else e.astype(np.float32)
-    keys = e32.view(np.int32) >> 16  # e in [0, 1]: non-negative patterns, monotone in e
+    else:
+        ids = cand
+        target = top_p * e[cand].sum(dtype=np.float64)
+    # The histogram covers only ids (the tokens that can be kept): the mass crosses the target among them.
+    vals = e[ids]
+    v32 = vals if vals.dtype == np.float32 else vals.astype(np.float32)
+    keys = v32.view(np.int32) >> 16  # e in [0, 1]: non-negative patterns, monotone in e
     top_bin = int(np.float32(1.0).view(np.int32) >> 16)
-    hist = np.bincount(keys, weights=e, minlength=top_bin + 1)[: top_bin + 1]
+    hist = np.bincount(keys, weights=vals, minlength=top_bin + 1)[: top_bin + 1]
     from_top = np.cumsum(hist[::-1])
-    target = top_p * from_top[-1]
-    j = int(np.searchsorted(from_top, target))
-    j = min(j, top_bin)
+    j = min(int(np.searchsorted(from_top, target)), top_bin)
     b = top_bin - j
     above_mass = from_top[j - 1] if j > 0 else 0.0
-    kept = np.flatnonzero(keys >= b)  # one pass over the vocabulary for both the bin and the tokens above it
-    at_b = keys[kept] == b
-    edge = kept[at_b]
-    vals = e[edge]
-    order = np.lexsort((edge, -vals))
-    cum = above_mass + np.cumsum(vals[order], dtype=np.float64)
+    sel = np.flatnonzero(keys >= b)
+    at_b = keys[sel] == b
+    edge = ids[sel[at_b]]
+    edge_vals = vals[sel[at_b]]
+    order = np.lexsort((edge, -edge_vals))
+    cum = above_mass + np.cumsum(edge_vals[order], dtype=np.float64)
     cut = min(int(np.searchsorted(cum, target)) + 1, edge.size)
     kept_edge = edge[order[:cut]]
-    above = kept[~at_b]
-    if above.size + kept_edge.size <= e.size * _DENSE_FRACTION:
-        return np.sort(np.concatenate([above, kept_edge]))
+    kept_above = ids[sel[~at_b]]
+    if kept_above.size + kept_edge.size <= e.size * _DENSE_FRACTION:
+        return np.sort(np.concatenate([kept_above, kept_edge]))
     dropped = np.ones(e.size, bool)
-    dropped[above] = False
+    dropped[kept_above] = False
     dropped[kept_edge] = False
     e[dropped] = 0
     return None

@@ -14,9 +14,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(540)  # the subprocess's own bound is 480 s
 
 
-# Two halves, each in its own process within the bound (the interpreter runs each (row, chunk) program in Python).
-@pytest.mark.parametrize("select", ["reference_draws_at_the_exact", "not reference_draws_at_the_exact"],
-                         ids=["distribution cases", "the rest"])
+# Three parts, each in its own process within the bound (the interpreter runs each (row, chunk) program in Python).
+@pytest.mark.parametrize("select", ["reference_draws_at_the_exact", "kernel_frequencies",
+                                    "not reference_draws_at_the_exact and not kernel_frequencies"],
+                         ids=["distribution cases", "kernel frequencies", "the rest"])
 def test_sampling_kernels_under_the_interpreter(select):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["timeout", "480", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -10,8 +10,9 @@ vocabulary:
   maxima (at least k tokens, all of the top k); ties with the k-th value stay, as before.
 - top_p: the smallest prefix by probability (ties to the lower id) whose mass reaches ``top_p`` of the kept mass.
   A mass histogram over the top 16 bits of ``e``'s float32 pattern (8 exponent, 7 mantissa bits: bins 0.8% wide)
-  finds the bin where the mass crosses ``top_p``; every token above it is kept unsorted and only that bin's tokens
-  are sorted.
+  of the tokens that can be kept (``e >= (1 - top_p) * sum(e) / V``: the others hold too little mass to reach the
+  cut; or the top-k candidates) finds the bin where the mass crosses ``top_p``; every token above it is kept
+  unsorted and only that bin's tokens are sorted.
 - min_p: ``e >= min_p`` (``e`` of the most likely token is exactly 1).
 
 Each request owns a ``numpy.random.Generator`` and draws exactly one uniform per sampled token, mapped through the

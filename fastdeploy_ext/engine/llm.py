@@ -7,6 +7,7 @@ import time
 from functools import cached_property
 from typing import Any
 
+from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.engine.args import llm_docstring, llm_signature, split_keywords
 from fastdeploy_ext.engine.engine import LLMEngine
 from fastdeploy_ext.engine.errors import RequestError
@@ -93,6 +94,8 @@ class LLM:
                                                        item.get("multimodal_data"), item.get("cache_salt")))
             except RequestError as e:
                 raise e.within(f"prompts[{i}]") from None
+            except ConfigError as e:
+                raise ConfigError(f"prompts[{i}]: {e}") from None
         return self._submit(requests, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -33,6 +33,7 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from fastdeploy_ext.config.base import ConfigError
 from fastdeploy_ext.engine.errors import RequestError, RequestTypeError
 from fastdeploy_ext.engine.guided_decoding import GrammarBusy, GrammarError
 from fastdeploy_ext.engine.sampling_params import SamplingParams
@@ -410,6 +411,8 @@ class InputProcessor:
             return inputs
         try:
             text, ids, mm = run(self.tokenizer, inputs.text, inputs.token_ids, data)
+        except ConfigError:
+            raise  # the checkpoint disagrees with itself: the deployment's fault, not the request's
         except (ValueError, TypeError, OSError) as e:
             raise RequestError.of(e, field, f"{where}: {e}" if where else None) from None
         return PromptInputs(text, ids, mm)

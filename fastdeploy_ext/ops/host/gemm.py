@@ -35,9 +35,9 @@ _ROW_SPLIT_MIN = 16
 # _MAX_PIECES (a 545 MB LM head in 17 MB pieces).
 _PIECE_BYTES = 4 << 20
 _MAX_PIECES = 32
-# Rows of ``x`` up to which a row-major weight is cut into row bands: the partial sums, one [M, N] per piece,
-# stay a small fraction of the weight's bytes; above it, column bands.
-_PARTIAL_ROWS_MAX = 4
+# A row-major weight is cut into row bands while the partial sums (one [M, N] per piece) stay within this
+# fraction of the weight's bytes (pieces * M / K); above it, into column bands.
+_PARTIAL_FRACTION = 1 / 8
 
 
 def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -68,7 +68,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
         return out
     pieces = max(parts, min(_MAX_PIECES, k * n * 4 // _PIECE_BYTES))
     team = _team_of(parts)
-    if w.strides[1] > w.strides[0] or m > _PARTIAL_ROWS_MAX:
+    if w.strides[1] > w.strides[0] or pieces * m > _PARTIAL_FRACTION * k:
         # Output column bands of 64-float multiples (whole cache lines of each output row); for a transposed
         # view each band is a contiguous block of rows of the matrix behind it.
         pieces = min(pieces, max(1, n // 64))

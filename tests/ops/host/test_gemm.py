@@ -19,8 +19,8 @@ def threads(request):
     set_host_threads(before)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (3, 1000, 2049), (17, 255, 1000), (257, 64, 3000), (1, 17, 1),
-                                   (40, 300, 5000)])
+@pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (3, 1000, 2049), (17, 4864, 300), (17, 255, 1000), (257, 64, 3000),
+                                   (1, 17, 1), (40, 300, 5000)])
 @pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK.T"])
 def test_matmul_into_matches_float64(threads, m, k, n, transposed):
     rng = np.random.default_rng(m * 1000 + n)

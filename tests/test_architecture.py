@@ -719,6 +719,7 @@ def test_one_launch_adapter():
 
 if __name__ == "__main__":  # pragma: no cover - a quick report
     r = package_dir()
-    print("\n".join(backend_branches(r) + layering_violations(r)))
+    print("\n".join(backend_branches(r) + layering_violations(r) + host_imports_outside_choice(r)
+                    + device_queries_outside_choice(r) + launch_adapters_outside(r)))
     print(import_cycles(r))
     pytest.main([__file__])

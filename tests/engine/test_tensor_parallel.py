@@ -94,7 +94,7 @@ def test_bad_tp_fails_before_any_process_starts(tmp_path, monkeypatch):
         LLM(model=d, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="vocab_size / tensor_parallel_size: 516 is not divisible by 8"):
         LLM(model=d, tensor_parallel_size=8)
-    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive int"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(model=d, tensor_parallel_size=0)
 
 

@@ -40,8 +40,6 @@ from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_con
 
 logger = logging.getLogger("fastdeploy_ext")
 
-
-DEFAULT_MAX_MODEL_LEN = 32768
 # Without num_kv_blocks, the KV pool gets at most this many bytes (CPU RAM is shared with everything else).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -126,25 +124,20 @@ def build_fd_config(args: EngineArgs, rank: int = 0, tp_group=None):
     quant_config = resolve_quant_config(args.quantization, hf_config, model_cls, os.path.join(args.model, "config.json"))
 
     limit = model_config.max_position_embeddings
-    max_model_len = args.max_model_len
-    if max_model_len is None:
-        max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = args.max_model_len_or_default(limit)
+    if args.max_model_len is None:
         if limit > max_model_len and rank == 0:
             logger.info("max_model_len defaults to %d (config allows %d; pass max_model_len to raise it)",
                         max_model_len, limit)
     elif max_model_len > limit:
         raise ConfigError(f"max_model_len {max_model_len} exceeds max_position_embeddings {limit} of the model")
-    batched = args.max_num_batched_tokens
-    if batched is None:
-        batched = 2048 if args.enable_chunked_prefill else max_model_len
+    batched = args.max_num_batched_tokens_or_default(max_model_len)
     prefix_caching = args.enable_prefix_caching
     if prefix_caching is None:
         prefix_caching = model_cls.supports_prefix_caching
     elif prefix_caching and not model_cls.supports_prefix_caching:
         raise ConfigError(f"enable_prefix_caching: {model_cls.name()} does not support prefix caching")
-    snapshots = args.num_prefix_snapshots
-    if snapshots is None:
-        snapshots = 2 * args.max_num_seqs
+    snapshots = args.num_prefix_snapshots_or_default()
     fd_config = FDConfig(
         model_config=model_config,
         parallel_config=ParallelConfig(args.tensor_parallel_size, rank, tp_group),

@@ -61,7 +61,7 @@ def _free_ports(n: int) -> list[int]:
 
 def rank_env(rank: int, world: int, endpoints: list[str], backend: str) -> dict:
     """The environment ``paddle.distributed.init_parallel_env`` reads. Without
-    ``PADDLE_DISTRI_BACKEND`` it silently skips initialisation on CPU (environment.md §3)."""
+    ``PADDLE_DISTRI_BACKEND`` Paddle 3.3.1 silently skips initialisation on CPU."""
     return {
         "PADDLE_TRAINER_ID": str(rank),
         "PADDLE_TRAINERS_NUM": str(world),

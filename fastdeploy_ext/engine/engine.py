@@ -13,7 +13,6 @@ import numpy as np
 from fastdeploy_ext.engine.args import EngineArgs
 from fastdeploy_ext.engine.builder import (  # noqa: F401 (re-exported: the ranks, the CLI and the planner import them here)
     DEFAULT_KV_CACHE_BYTES,
-    DEFAULT_MAX_MODEL_LEN,
     build_engine,
     build_fd_config,
     build_model,

@@ -1,8 +1,8 @@
 """Per-rank memory plan of a deployment: weights, KV cache, recurrent-state pool, activation peak.
 
-Weights are counted tensor by tensor, each with its tensor-parallel split (specs/minimax_m1.md §8) and
-its on-device dtype (§6: router and MiniMax lm_head in max(float32, compute dtype); weight-only int8/int4 for
-linear and expert weights, never embeddings, norms, routers, lm_head or the audio encoder), as the layers hold
+Weights are counted tensor by tensor, each with its tensor-parallel split (the model's checkpoint table,
+``models/<name>/weights.py``) and its on-device dtype (router and MiniMax lm_head in max(float32, compute
+dtype); weight-only int8/int4 for linear and expert weights, never embeddings, norms, routers, lm_head or the audio encoder), as the layers hold
 them: float32 scales beside the codes (``fastdeploy_ext/quantization``), except a GPU's linear layers, whose
 codes and scales (in the activation dtype) are what Paddle's ``weight_quantize`` returns for
 ``weight_only_linear``. Shapes come from, in order of preference: the safetensors headers; the checkpoint

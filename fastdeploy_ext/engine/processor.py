@@ -234,6 +234,12 @@ class InputProcessor:
         if getattr(self.model, "multimodal_processor", None) is None:
             raise RequestError(f"{field}: {type(self.model).name()} takes text only (no audio input)", field)
 
+    def place_audio(self, text: str, num_clips: int, field: str) -> str:
+        """``text`` with the model's audio placeholders for ``num_clips`` clips where it has none (the model's
+        ``place_audio``)."""
+        self.require_audio(field)
+        return type(self.model).place_audio(text, num_clips)
+
     def audio_parts(self, messages: list[dict]) -> list[AudioPart]:
         """The audio content parts of ``messages`` in message and part order (the order the template renders their
         placeholders), each checked by its header: within max_audio_seconds, and all together within

@@ -144,10 +144,7 @@ def _generate_requests(args):
         for i, text in enumerate(args.prompt):
             where = f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt"
             if clips:
-                from fastdeploy_ext.models.midashenglm.model import AUDIO_BOS, AUDIO_EOS, AUDIO_TOKEN
-
-                if AUDIO_TOKEN not in text:
-                    text = f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * len(clips) + text
+                text = processor.place_audio(text, len(clips), "--audio")
             inputs = processor.prepare(text, multimodal_data={"audio": clips} if clips else None, field=where,
                                        where=where)
             processor.validate(inputs.token_ids, params, where)

@@ -186,6 +186,12 @@ class MiDashengLMModel(ModelForCausalLM):
                 raise ValueError(f"projector gave {projected.shape[1]} rows for a clip that needs {n} audio tokens")
             audio.clip_rows[k] = projected[i, :n]
 
+    @staticmethod
+    def place_audio(text: str, num_clips: int) -> str:
+        """``text`` with one ``<|audio_bos|><|AUDIO|><|audio_eos|>`` per clip in front, unless it places them itself
+        (a plain prompt given with audio files)."""
+        return text if AUDIO_TOKEN in text else f"{AUDIO_BOS}{AUDIO_TOKEN}{AUDIO_EOS}" * num_clips + text
+
     def multimodal_processor(self, tokenizer, text, ids, multimodal_data):
         """Load the audio and expand the placeholders: ``(text, ids, mm) -> (text, expanded ids, AudioInputs | None)``.
 

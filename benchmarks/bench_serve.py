@@ -44,12 +44,13 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(20, 200))) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int) -> tuple[float, int]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict, first_token, expected_tokens: int):
+    """One streaming request: (seconds to the first chunk ``first_token(chunk)`` accepts, output tokens by the
+    final usage chunk); raises unless the usage says ``expected_tokens``."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    ttft, tokens = None, None
+    async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -58,26 +59,42 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, output
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            if ttft is None and first_token(chunk):
                 ttft = time.perf_counter() - t0
-    if ttft is None or tokens != output_len:
-        raise RuntimeError(f"a request streamed no content or {tokens} tokens instead of {output_len}")
+    if ttft is None or tokens != expected_tokens:
+        raise RuntimeError(f"a request streamed {'no token' if ttft is None else f'{tokens} tokens'}, "
+                           f"not {expected_tokens}")
     return ttft, tokens
 
 
-async def load(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int):
+async def run_load(base_url: str, send, items: list, concurrency: int):
+    """``send(client, item)`` for every item, ``concurrency`` at a time: (wall seconds, output tokens, sorted
+    TTFTs)."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def bounded(client, p):
+    async def bounded(client, item):
         async with sem:
-            return await one_request(client, model, p, output_len)
+            return await send(client, item)
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=1800) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(client, p) for p in prompts))
+        results = await asyncio.gather(*(bounded(client, item) for item in items))
         wall = time.perf_counter() - t0
-    ttfts = sorted(r[0] for r in results)
-    return wall, sum(r[1] for r in results), ttfts
+    return wall, sum(r[1] for r in results), sorted(r[0] for r in results)
+
+
+def _chat_content(chunk: dict) -> bool:
+    # The first chat chunk carries only the role; the first token is the first non-empty content.
+    return any(c.get("delta", {}).get("content") for c in chunk.get("choices", []))
+
+
+def chat_load(base_url: str, model: str, prompts: list[str], concurrency: int, output_len: int):
+    def send(client, prompt):
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": output_len,
+                "temperature": 0.0, "ignore_eos": True}
+        return stream_request(client, "/v1/chat/completions", body, _chat_content, output_len)
+
+    return run_load(base_url, send, prompts, concurrency)
 
 
 def main() -> int:
@@ -125,7 +142,7 @@ def main() -> int:
         name = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         prompts = make_prompts(args.requests, args.seed)
         for r in range(args.rounds + 1):
-            wall, tokens, ttfts = asyncio.run(load(base, name, prompts, args.concurrency, args.output_len))
+            wall, tokens, ttfts = asyncio.run(chat_load(base, name, prompts, args.concurrency, args.output_len))
             tag = "warm-up" if r == 0 else f"round {r}"
             print(f"{tag}: {wall:.2f} s, {tokens / wall:.1f} output tok/s, TTFT mean "
                   f"{statistics.mean(ttfts) * 1e3:.0f} ms, median {ttfts[len(ttfts) // 2] * 1e3:.0f} ms, "

@@ -222,44 +222,21 @@ print(json.dumps(dict(load=t2 - t1, prefill={prompt} / pre, decode={gen} / (full
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-async def _one_completion(client, model: str, prompt: list[int], gen: int) -> tuple[float, int]:
-    """One streaming completion: (seconds to the first streamed token, output tokens by the final usage)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, tokens = None, None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            # A token whose bytes end inside a UTF-8 character streams as an empty text; it is still a token.
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-    if ttft is None or tokens != gen:
-        raise RuntimeError(f"a request streamed {'no token' if ttft is None else f'{tokens} tokens'}, not {gen}")
-    return ttft, tokens
-
-
 async def _load(base: str, prompts: list[list[int]], gen: int, concurrency: int):
+    """Streaming completions of token-id prompts (``bench_serve.run_load``); a token whose bytes end inside a UTF-8
+    character streams as an empty text, so any chunk with a choice counts as the first token."""
     import httpx
 
-    sem = asyncio.Semaphore(concurrency)
+    from bench_serve import run_load, stream_request
 
-    async def bounded(client, p):
-        async with sem:
-            return await _one_completion(client, model, p, gen)
+    model = httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"]
 
-    async with httpx.AsyncClient(base_url=base, timeout=1800) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(client, p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return dict(wall=wall, tok_s=sum(r[1] for r in results) / wall, ttft=statistics.mean(r[0] for r in results))
+    def send(client, prompt):
+        body = {"model": model, "prompt": prompt, "max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+        return stream_request(client, "/v1/completions", body, lambda chunk: bool(chunk.get("choices")), gen)
+
+    wall, tokens, ttfts = await run_load(base, send, prompts, concurrency)
+    return dict(wall=wall, tok_s=tokens / wall, ttft=statistics.mean(ttfts))
 
 
 def served_pair(args, model_dir: str, gguf: str, seed: int) -> tuple[dict, dict]:

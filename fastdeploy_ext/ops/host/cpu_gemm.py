@@ -79,10 +79,10 @@ def _cpu_vendor() -> str:
     return ""
 
 
-def sgemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out = a @ b`` in MKL on the calling thread alone (MKL's thread count for this thread is set to one and
-    restored: the caller splits the work). ``a`` ``[M, K]`` and ``out`` ``[M, N]`` float32 with contiguous rows;
-    ``b`` ``[K, N]`` row-major or the transposed view of a row-major ``[N, K]``."""
+def sgemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+    """``out = a @ b`` in MKL on ``threads`` of MKL's OpenMP threads (its count for the calling thread is set and
+    restored; one when the caller splits the work itself). ``a`` ``[M, K]`` and ``out`` ``[M, N]`` float32 with
+    contiguous rows; ``b`` ``[K, N]`` row-major or the transposed view of a row-major ``[N, K]``."""
     m, k = a.shape
     n = b.shape[1]
     if b.shape[0] != k or out.shape != (m, n):
@@ -95,7 +95,7 @@ def sgemm_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     trans_b = b.strides[0] == 4 and b.strides[1] != 4
     ldb = b.strides[1] // 4 if trans_b else max(b.strides[0] // 4, n)
     lib = _library()
-    previous = lib.MKL_Set_Num_Threads_Local(1)
+    previous = lib.MKL_Set_Num_Threads_Local(threads)
     try:
         lib.cblas_sgemm(_ROW_MAJOR, _NO_TRANS, _TRANS if trans_b else _NO_TRANS, m, n, k, 1.0, a.ctypes.data,
                         max(a.strides[0] // 4, k), b.ctypes.data, ldb, 0.0, out.ctypes.data,

@@ -60,9 +60,9 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def gemm_preferred() -> bool:
-    """Whether a thread's share of a large product runs faster in MKL (:func:`sgemm_into`) than in NumPy's
-    OpenBLAS: on Intel CPUs, where a 256-row band of the Qwen2-0.5B products took ~14% less CPU time in MKL
-    than in OpenBLAS's SkylakeX kernels (Sapphire Rapids, one thread); not on AMD ones, where MKL took 2.4x
+    """Whether products run faster in MKL (:func:`sgemm_into`) than in NumPy's OpenBLAS and the own weight split
+    (``ops/host/gemm.py``): on Intel CPUs, where a 256-row band of the Qwen2-0.5B products took ~14% less CPU time
+    in MKL than in OpenBLAS's SkylakeX kernels (Sapphire Rapids, one thread); not on AMD ones, where MKL took 2.4x
     OpenBLAS's time (ops/host/gemm.py)."""
     return available() and _cpu_vendor() == "GenuineIntel"
 

@@ -34,8 +34,16 @@ def test_matmul_into_matches_float64(threads, m, k, n, transposed):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
 
 
+@pytest.fixture(params=["preferred", "own-split"])
+def weight_path(request, monkeypatch):
+    """The weight-bound path this CPU takes (MKL's threads on Intel), and the own split that other CPUs take."""
+    if request.param == "own-split":
+        monkeypatch.setattr(cpu_gemm, "gemm_preferred", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("m", [1, 3])
-def test_matmul_into_split_by_weight_is_repeatable(threads, m):
+def test_matmul_into_split_by_weight_is_repeatable(threads, weight_path, m):
     """A weight split into pieces that whichever thread is free computes: the same bits every run."""
     rng = np.random.default_rng(17 + m)
     x = rng.standard_normal((m, 4864)).astype(np.float32)
@@ -47,7 +55,7 @@ def test_matmul_into_split_by_weight_is_repeatable(threads, m):
     assert np.linalg.norm(first - ref) / np.linalg.norm(ref) < 1e-6
 
 
-def test_matmul_into_piece_error_reaches_the_caller(threads):
+def test_matmul_into_piece_error_reaches_the_caller(threads, weight_path):
     """An output one column short fails in the last piece, on whichever thread ran it: the caller gets the error
     and the next product runs normally."""
     rng = np.random.default_rng(255)

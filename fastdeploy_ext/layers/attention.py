@@ -33,10 +33,20 @@ class Attention(nn.Layer):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.impl = backend_for(fd_config).attention(num_heads, num_kv_heads, head_dim, self.scale)
 
-    def forward(self, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, forward_meta,
-                output_only: bool = False) -> paddle.Tensor:
+    def forward(self, q: paddle.Tensor | None = None, k: paddle.Tensor | None = None, v: paddle.Tensor | None = None,
+                forward_meta=None, output_only: bool = False, *, qkv: paddle.Tensor | None = None,
+                rotary_emb=None) -> paddle.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` → ``[T, Hq * D]`` in q's dtype. With ``output_only`` every
         token's k/v is still cached but only the step's output rows attend (``[R, Hq * D]``): a model's last
-        layer needs no other row's output."""
+        layer needs no other row's output.
+
+        Or, as FastDeploy's attention backends take it, ``qkv`` ``[T, (Hq + 2 Hkv) * D]`` of a fused projection
+        and the ``rotary_emb`` whose rotation of q and k (at ``forward_meta.position_ids``) happens inside: the
+        host backend then splits and rotates on NumPy views, with no Paddle slice per head group."""
         k_cache, v_cache = forward_meta.caches[self.kv_cache_index]
-        return self.impl(q, k, v, forward_meta.attn_metadata, k_cache, v_cache, output_only)
+        meta = forward_meta.attn_metadata
+        if qkv is None:
+            return self.impl(q, k, v, meta, k_cache, v_cache, output_only)
+        if q is not None or k is not None or v is not None or rotary_emb is None:
+            raise TypeError("Attention takes q, k and v, or qkv with rotary_emb")
+        return self.impl.fused(qkv, forward_meta.position_ids, rotary_emb.rotate, meta, k_cache, v_cache, output_only)

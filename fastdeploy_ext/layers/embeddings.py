@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import paddle
 from paddle import nn
-from paddle.utils import dlpack
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import (
@@ -14,7 +13,7 @@ from fastdeploy_ext.distributed.communication import (
     tp_rank,
     tp_size,
 )
-from fastdeploy_ext.layers.backend import accum_dtype, backend_of, compute_dtype, host_view, matmul_into
+from fastdeploy_ext.layers.backend import accum_dtype, as_host_tensor, backend_of, compute_dtype, host_view, matmul_into
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
     as_float32,
@@ -59,7 +58,7 @@ class VocabParallelEmbedding(nn.Layer):
         mark_loaded(param)
 
     def _forward_host(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
-        return dlpack.from_dlpack(np.take(host_view(self.embeddings.weight), host_view(ids_remove_padding), axis=0))
+        return as_host_tensor(np.take(host_view(self.embeddings.weight), host_view(ids_remove_padding), axis=0))
 
     def forward(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
         """``ids_remove_padding`` ``[T]`` int64 → ``[T, embedding_dim]``."""
@@ -125,4 +124,4 @@ def _host_logits(hidden: paddle.Tensor, weight) -> paddle.Tensor:
     """``hidden @ weight`` (``weight`` ``[H, V]``, a transposed view of a tied embedding included) in float32."""
     h = host_view(hidden.astype("float32"))
     out = np.empty((h.shape[0], weight.shape[1]), np.float32)
-    return dlpack.from_dlpack(matmul_into(h, weight, out))
+    return as_host_tensor(matmul_into(h, weight, out))

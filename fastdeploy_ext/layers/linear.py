@@ -12,7 +12,7 @@ from paddle import nn
 
 from fastdeploy_ext.config.base import divide
 from fastdeploy_ext.distributed.communication import tensor_model_parallel_all_reduce, tp_rank, tp_size
-from fastdeploy_ext.layers.backend import backend_of, compute_dtype, host_view, matmul_into
+from fastdeploy_ext.layers.backend import backend_of, compute_dtype, host_view, matmul_into, new_host_tensor
 from fastdeploy_ext.layers.utils import (
     WeightLoadError,
     as_float32,
@@ -107,9 +107,8 @@ class LinearBase(nn.Layer):
         xh = host_view(x)
         w, b = self._host_operands()
         x2 = xh.reshape(-1, xh.shape[-1])
-        # Paddle's empty and a view of it: wrapping a NumPy result through DLPack costs ~2x as much per call.
-        out = paddle.empty([*xh.shape[:-1], w.shape[1]], "float32")
-        matmul_into(x2, w, host_view(out).reshape(x2.shape[0], w.shape[1]), b if with_bias else None)
+        out, view = new_host_tensor([*xh.shape[:-1], w.shape[1]])
+        matmul_into(x2, w, view.reshape(x2.shape[0], w.shape[1]), b if with_bias else None)
         return out
 
     def _host_operands(self):

@@ -230,7 +230,7 @@ def test_decoder_layer_residual_formula(tmp_path, postnorm):
     def run(fn):
         return fn(_step_meta(paddle.zeros([1, heads, d, d]), [19], 0, [0]))
 
-    got = run(lambda m: layer(None, x, m)).numpy()
+    got = run(lambda m: layer(x, m)).numpy()
     a, _ = layer.input_layernorm(x)
     attn = run(lambda m: layer.self_attn(a, m))
     h = 3.5566 * (a if postnorm else x) + 1.0 * attn

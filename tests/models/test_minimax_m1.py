@@ -94,7 +94,8 @@ def test_prompt_logprobs_match_hf(engine_and_oracle):
 
 def test_every_layer_matches_hf_and_rope_inputs_are_live(engine_and_oracle):
     """Per-layer hidden states within 1e-5 relative error; every GQA layer's Q and K after RoPE are non-zero
-    in both the rotated and the pass-through channels (an unloaded fused qkv gives exact zeros)."""
+    in both the rotated and the pass-through channels (an unloaded fused qkv gives exact zeros). The attention op
+    rotates the fused qkv it is given; the hook rotates the same qkv with the layer's rotary embedding."""
     llm, hf = engine_and_oracle
     model = llm.llm_engine.model
     cfg = model.cfg
@@ -102,14 +103,16 @@ def test_every_layer_matches_hf_and_rope_inputs_are_live(engine_and_oracle):
     qk_norms = {}
 
     def grab(layer_id):
-        def hook(layer, inputs):
-            q, k = inputs[0].numpy(), inputs[1].numpy()
-            r = cfg.rotary_dim
+        def hook(layer, args, kwargs):
+            hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+            heads = kwargs["qkv"].reshape([-1, hq + 2 * hkv, d])
+            q, k = kwargs["rotary_emb"](kwargs["forward_meta"].position_ids, heads[:, :hq], heads[:, hq:hq + hkv])
+            q, k, r = q.numpy(), k.numpy(), cfg.rotary_dim
             qk_norms[layer_id] = [float(np.linalg.norm(x)) for x in (q[..., :r], q[..., r:], k[..., :r], k[..., r:])]
         return hook
 
     full = cfg.full_attention_layers
-    hooks = [model.model.layers[i].self_attn.attn.register_forward_pre_hook(grab(i)) for i in full]
+    hooks = [model.model.layers[i].self_attn.attn.register_forward_pre_hook(grab(i), with_kwargs=True) for i in full]
     try:
         ours = engine_hidden_states(llm, prompt)
     finally:

@@ -59,14 +59,9 @@ class MiniMaxM1Attention(nn.Layer):
         self.attn = Attention(fd_config, self.num_heads, self.num_kv_heads, cfg.head_dim, kv_cache_index=kv_cache_index,
                               prefix=f"{prefix}.attn")
 
-    def forward(self, positions, hidden, forward_meta):
+    def forward(self, hidden, forward_meta):
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = qkv[:, :q_size].reshape([-1, self.num_heads, self.head_dim])
-        k = qkv[:, q_size:q_size + kv_size].reshape([-1, self.num_kv_heads, self.head_dim])
-        v = qkv[:, q_size + kv_size:].reshape([-1, self.num_kv_heads, self.head_dim])
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, forward_meta))
+        return self.o_proj(self.attn(qkv=qkv, rotary_emb=self.rotary_emb, forward_meta=forward_meta))
 
 
 class MiniMaxM1DecoderLayer(nn.Layer):
@@ -99,13 +94,10 @@ class MiniMaxM1DecoderLayer(nn.Layer):
                                                 f"{prefix}.post_attention_layernorm")
         self.block_sparse_moe = MiniMaxM1MoE(fd_config, cfg, f"{prefix}.block_sparse_moe")
 
-    def forward(self, positions, x, forward_meta):
+    def forward(self, x, forward_meta):
         """``x`` ``[T, hidden]`` → ``[T, hidden]``."""
         a, _ = self.input_layernorm(x)
-        if self.is_linear:
-            attn = self.self_attn(a, forward_meta)
-        else:
-            attn = self.self_attn(positions, a, forward_meta)
+        attn = self.self_attn(a, forward_meta)
         h = self.attn_residual(a if self.postnorm else x, attn)
         b, _ = self.post_attention_layernorm(h)
         return self.mlp_residual(b if self.postnorm else h, self.block_sparse_moe(b))
@@ -132,7 +124,7 @@ class MiniMaxM1Model(nn.Layer):
     def forward(self, ids_remove_padding, forward_meta):
         hidden = self.embed_tokens(ids_remove_padding)
         for layer in self.layers:
-            hidden = layer(forward_meta.position_ids, hidden, forward_meta)
+            hidden = layer(hidden, forward_meta)
         hidden, _ = self.norm(hidden)
         return hidden
 

@@ -48,14 +48,10 @@ class Qwen2Attention(nn.Layer):
         self.attn = Attention(fd_config, self.num_heads, self.num_kv_heads, cfg.head_dim, kv_cache_index=layer_id,
                               prefix=f"{prefix}.attn")
 
-    def forward(self, positions, hidden, forward_meta, output_only: bool = False):
+    def forward(self, hidden, forward_meta, output_only: bool = False):
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        # q and k heads rotate in one call: same positions, same table.
-        qk = self.rotary_emb.rotate(positions, qkv[:, :q_size + kv_size].reshape([-1, self.num_heads + self.num_kv_heads, self.head_dim]))
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, q_size + kv_size:].reshape([-1, self.num_kv_heads, self.head_dim])
-        return self.o_proj(self.attn(q, k, v, forward_meta, output_only))
+        return self.o_proj(self.attn(qkv=qkv, rotary_emb=self.rotary_emb, forward_meta=forward_meta,
+                                     output_only=output_only))
 
 
 class Qwen2DecoderLayer(nn.Layer):
@@ -68,11 +64,11 @@ class Qwen2DecoderLayer(nn.Layer):
         )
         self.mlp = Qwen2MLP(fd_config, cfg, f"{prefix}.mlp")
 
-    def forward(self, positions, hidden, residual, forward_meta, output_only: bool = False):
+    def forward(self, hidden, residual, forward_meta, output_only: bool = False):
         """With ``output_only`` (the last layer, ``forward_meta.output_rows`` set) every token's k/v is
         cached, then only the output rows go on through attention, the residual and the MLP."""
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_meta, output_only)
+        hidden = self.self_attn(hidden, forward_meta, output_only)
         if output_only:
             residual = paddle.gather(residual, forward_meta.attn_metadata.output_rows_tensor)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -95,10 +91,9 @@ class Qwen2Model(nn.Layer):
     def forward(self, ids_remove_padding, forward_meta, inputs_embeds=None):
         hidden = self.embed_tokens(ids_remove_padding) if inputs_embeds is None else inputs_embeds
         residual = None
-        positions = forward_meta.position_ids
         last = len(self.layers) - 1 if forward_meta.output_rows is not None else -1
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, forward_meta, output_only=i == last)
+            hidden, residual = layer(hidden, residual, forward_meta, output_only=i == last)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

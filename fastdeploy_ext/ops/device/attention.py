@@ -26,7 +26,22 @@ def take_blocks(cache: paddle.Tensor, blocks: paddle.Tensor, block_size: int) ->
     return pages.reshape([hkv, -1, d])
 
 
-class PaddleAttention:
+def split_rotate(qkv, positions, rotary, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``qkv`` ``[T, (Hq + 2 Hkv) * D]`` of a fused projection → ``(q, k, v)`` with q and k heads rotated in one
+    ``rotary(positions, x)`` call (same positions, same table)."""
+    qk_size = (num_heads + num_kv_heads) * head_dim
+    qk = rotary(positions, qkv[:, :qk_size].reshape([-1, num_heads + num_kv_heads, head_dim]))
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, qk_size:].reshape([-1, num_kv_heads, head_dim])
+
+
+class _FusedQKV:
+    def fused(self, qkv, positions, rotary, meta, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
+        """As ``__call__``, from a fused projection's ``qkv`` whose q and k heads ``rotary`` still rotates."""
+        q, k, v = split_rotate(qkv, positions, rotary, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self(q, k, v, meta, k_cache, v_cache, output_only)
+
+
+class PaddleAttention(_FusedQKV):
     """The device backend's attention: Paddle ops only, scores and softmax in max(float32, q's dtype), the
     output in q's dtype. Decodes run as padded batches of similar context lengths; each prefill chunk attends
     to its context in query tiles."""
@@ -95,7 +110,7 @@ class PaddleAttention:
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
 
-class KernelAttention:
+class KernelAttention(_FusedQKV):
     """The device backend's attention through the paged Triton kernels: decodes by ``paged_decode`` (split-KV,
     a KV group's query heads together), prefill chunks by ``paged_prefill`` (their context read through the pages,
     causal by position, no mask), both into one output. The step's tables come from the metadata (uploaded once

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import cpu_gemm, host_view
+from fastdeploy_ext.ops.host import as_tensor, cpu_gemm, host_view
 
 _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 # Prefill queries are processed in tiles of this many rows: tile [a, b) needs keys [0, ctx + b) only,
@@ -28,13 +28,13 @@ def take_blocks(cache: paddle.Tensor, blocks: np.ndarray, block_size: int) -> np
     contiguous pages instead of scattered 256-byte rows keeps the gather at memcpy speed however
     fragmented the page pool has become."""
     hkv, rows, d = cache.shape
-    pages = np.take(host_view(cache).reshape(hkv, rows // block_size, block_size * d), blocks, axis=1)
+    pages = np.take(host_view(cache, keep=True).reshape(hkv, rows // block_size, block_size * d), blocks, axis=1)
     return pages.reshape(hkv, len(blocks) * block_size, d)
 
 
-def write_rows(cache: paddle.Tensor, index: np.ndarray, values: paddle.Tensor) -> None:
+def write_rows(cache: paddle.Tensor, index: np.ndarray, values: np.ndarray) -> None:
     """``cache[:, index] = values`` in place, ``values`` ``[T, kv_heads, D]``."""
-    host_view(cache)[:, index] = host_view(values).transpose(1, 0, 2)
+    host_view(cache, keep=True)[:, index] = values.transpose(1, 0, 2)
 
 
 class HostAttention:
@@ -46,21 +46,31 @@ class HostAttention:
         self.scale = np.float32(scale)
 
     def __call__(self, q, k, v, meta, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
-        write_rows(k_cache, meta.slot_mapping, k)
-        write_rows(v_cache, meta.slot_mapping, v)
+        return self._attend_arrays(host_view(q), host_view(k), host_view(v), meta, k_cache, v_cache, output_only)
+
+    def fused(self, qkv, positions, rotary, meta, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
+        """``qkv`` ``[T, (Hq + 2 Hkv) * D]`` of a fused projection: q and k heads rotated by ``rotary`` (a
+        ``HostRotary``) in one pass, then as ``__call__``. All on NumPy views: in a batch-1 decode step each Paddle
+        slice or reshape of the projection cost ~50 us, the step's caches having just streamed a weight."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        x = host_view(qkv).reshape(-1, hq + 2 * hkv, self.head_dim)
+        qk = rotary.rotated(host_view(positions), x[:, :hq + hkv])
+        return self._attend_arrays(qk[:, :hq], qk[:, hq:], x[:, hq + hkv:], meta, k_cache, v_cache, output_only)
+
+    def _attend_arrays(self, qh, kh, vh, meta, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
+        write_rows(k_cache, meta.slot_mapping, kh)
+        write_rows(v_cache, meta.slot_mapping, vh)
         # Scaling q (T*Hq*D values) is cheaper than scaling the scores (Hq*T*L values).
-        qh = host_view(q)
         if output_only:
             qh = qh[meta.output_rows]
         qh = qh * self.scale
         if output_only:
             out = self._decodes(qh, k_cache, v_cache, meta.outputs, meta.block_size)
-            return dlpack.from_dlpack(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
+            return as_tensor(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
         out = np.empty((qh.shape[0], self.num_heads, self.head_dim), np.float32)
         nd = meta.num_decode
         if nd:
             out[:nd] = self._decodes(qh[:nd], k_cache, v_cache, meta.decodes, meta.block_size)
-        kh, vh = host_view(k), host_view(v)
         prefills = list(meta.prefills)
         while prefills:
             p = prefills.pop(0)
@@ -83,7 +93,7 @@ class HostAttention:
                 keys = take_blocks(k_cache, p.blocks, meta.block_size)[:, :total]
                 vals = take_blocks(v_cache, p.blocks, meta.block_size)[:, :total]
             out[rows] = self._prefill(qh[rows], keys, vals, p)
-        return dlpack.from_dlpack(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
+        return as_tensor(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
 
     def _decodes(self, q, k_cache, v_cache, d, block_size: int) -> np.ndarray:
         """q ``[Bd, Hq, D]`` (scaled) → ``[Bd, Hq, D]``: per sequence one BLAS matmul for its scores and one for
@@ -95,7 +105,7 @@ class HostAttention:
         bd, hkv, g, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         # q^T per sequence and KV head, [Bd, Hkv, D, g], contiguous: BLAS reads a strided one 15% slower.
         qt = np.ascontiguousarray(q.reshape(bd, hkv, g, dim).transpose(0, 1, 3, 2))
-        kh, vh = host_view(k_cache), host_view(v_cache)
+        kh, vh = host_view(k_cache, keep=True), host_view(v_cache, keep=True)
         k_pages, v_pages = (h.reshape(hkv, -1, block_size * dim) for h in (kh, vh))
         offsets, seg_starts, seg_len = d.score_layout(hkv)
         scores = np.empty((int(offsets[-1]), g), np.float32)

@@ -13,7 +13,7 @@ and a per-sequence, per-block loop spends more time dispatching small ops than c
 import numpy as np
 from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import cpu_gemm, host_view
+from fastdeploy_ext.ops.host import as_tensor, cpu_gemm, host_view
 from fastdeploy_ext.ops.host_threads import run_chunked
 
 __all__ = ["HostLightning", "decay", "decode_host", "prefill_host", "silu_host"]
@@ -223,7 +223,7 @@ class HostLightning:
         if nd < t:
             prefill_host(q[nd:], k[nd:], v[nd:], self.slopes, pool, meta.prefill_cu_seqlens_cpu64,
                          meta.slots_cpu[nd:], self.block_size, y[nd:])
-        return dlpack.from_dlpack(self._norm_gate(y.reshape(t, h * d), host_view(gate)))
+        return as_tensor(self._norm_gate(y.reshape(t, h * d), host_view(gate)))
 
     def _norm_gate(self, y: np.ndarray, gate: np.ndarray) -> np.ndarray:
         """``RMSNorm(y) * sigmoid(gate)`` over all ``H*D`` channels (the sum of squares all-reduced), written

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
-from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import cpu_gemm, host_view
+from fastdeploy_ext.ops.host import as_tensor, cpu_gemm, host_view
 from fastdeploy_ext.ops.host_threads import run_chunked
 from fastdeploy_ext.ops.moe_routing import route
 
@@ -53,7 +52,7 @@ class HostMoE:
         return self._experts(x, top_i, top_w)
 
     def _forward_packed_tensor(self, x: paddle.Tensor, top_i: np.ndarray, top_w: np.ndarray) -> paddle.Tensor:
-        return dlpack.from_dlpack(self._forward_packed(host_view(x), top_i, top_w))
+        return as_tensor(self._forward_packed(host_view(x), top_i, top_w))
 
     def _forward_packed(self, x: np.ndarray, top_i: np.ndarray, top_w: np.ndarray) -> np.ndarray:
         """The dispatch in NumPy against the packed experts, in exact segments (padding paid for fewer calls;
@@ -98,9 +97,9 @@ class HostMoE:
         rows = _gather_rows(x, np.arange(t * k) // k, dest, num_rows)
         segments = None if batched else (starts, counts)
         h = host_view(self._project(0, rows, segments))
-        act = dlpack.from_dlpack(_swiglu_scaled_host(h, row_weights))
+        act = as_tensor(_swiglu_scaled_host(h, row_weights))
         y = host_view(self._project(1, act, segments))
-        return dlpack.from_dlpack(_sum_rows_host(y, dest.reshape(t, k)))
+        return as_tensor(_sum_rows_host(y, dest.reshape(t, k)))
 
     def _project(self, i: int, rows: paddle.Tensor, segments) -> paddle.Tensor:
         """Every expert's rows times its weight of projection ``i``. ``segments`` None: ``rows`` are ``E`` equal
@@ -119,7 +118,7 @@ def _gather_rows(x: paddle.Tensor, src: np.ndarray, dest: np.ndarray, num_rows: 
     times slower than a memcpy)."""
     index = np.zeros(num_rows, np.int64)
     index[dest] = src
-    return dlpack.from_dlpack(np.take(host_view(x), index, axis=0))
+    return as_tensor(np.take(host_view(x), index, axis=0))
 
 
 def _swiglu_scaled_host(host: np.ndarray, scale: np.ndarray) -> np.ndarray:

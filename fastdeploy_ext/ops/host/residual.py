@@ -1,9 +1,8 @@
 """The DeepNorm residual ``alpha * x + beta * y`` on the host (CPU float32)."""
 
 import numpy as np
-from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host import as_tensor, host_view
 from fastdeploy_ext.ops.host_threads import run_chunked
 
 # Rows from which the residual sum runs in NumPy: [T, 512] fp32, 2 threads, Paddle's three ops vs NumPy's
@@ -25,4 +24,4 @@ def scaled_sum(alpha: float, x, beta: float, y):
         o += yh[c] * b
 
     run_chunked(rows, xh.shape[0], xh.shape[1])
-    return dlpack.from_dlpack(out)
+    return as_tensor(out)

@@ -9,34 +9,28 @@ statistics and result in float32. NumPy picks its SIMD path at run time from the
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-import paddle
-from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host import host_view, new_tensor
 from fastdeploy_ext.ops.host_threads import run_chunked
-
-
-# Elements from which the NumPy passes beat Paddle's plain ops: below it the DLPack round trips (about 25 us)
-# cost more than they save. AMD EPYC Zen 4, 2 threads: [32, 896] plain 74 vs NumPy 135 us; [48, 896] 164 vs
-# 87 us; [2048, 1024] 17.7 vs 1.8 ms (benchmarks/bench_rmsnorm.py).
-_NUMPY_MIN_ELEMENTS = 1 << 15
 
 
 def rms_norm_residual(x, weight, eps: float, residual=None):
     """``(rms_norm(x + residual) * weight, x + residual)`` of float32 CPU tensors ``[..., H]``; without a
-    residual, ``(rms_norm(x) * weight, x)``."""
+    residual, ``(rms_norm(x) * weight, x)``. Both results carry their NumPy views (``ops/host/__init__.py``): a
+    decode step's [1, H] norm in Paddle's plain ops was 7 ops at ~20 us each right after a weight-streaming product
+    (150 us against ~100 us for these NumPy passes and two new tensors, benchmarks/profile_decode.py)."""
     shape = x.shape
-    if math.prod(shape) < _NUMPY_MIN_ELEMENTS:
-        s = x if residual is None else x + residual
-        return s * paddle.rsqrt(paddle.mean(paddle.square(s), axis=-1, keepdim=True) + eps) * weight, s
     xh = host_view(x).reshape(-1, shape[-1])
     wh = host_view(weight)
     n, width = xh.shape
-    out = np.empty_like(xh)
-    summed = np.empty_like(xh) if residual is not None else xh
+    normed, out = new_tensor(shape)
+    out = out.reshape(n, width)
+    if residual is None:
+        summed = xh
+    else:
+        total, summed = new_tensor(shape)
+        summed = summed.reshape(n, width)
     rh = host_view(residual).reshape(n, width) if residual is not None else None
     inv_width, eps32 = np.float32(1.0 / width), np.float32(eps)
 
@@ -52,7 +46,4 @@ def rms_norm_residual(x, weight, eps: float, residual=None):
         o *= wh
 
     run_chunked(rows, n, width)
-    normed = dlpack.from_dlpack(out.reshape(shape))
-    if residual is None:
-        return normed, x
-    return normed, dlpack.from_dlpack(summed.reshape(shape))
+    return normed, (x if residual is None else total)

@@ -1,9 +1,8 @@
 """Rotary embeddings on the host (CPU float32), over the tables of ``layers/rotary_embedding.py``."""
 
 import numpy as np
-from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host import as_tensor, host_view
 
 
 class HostRotary:
@@ -21,9 +20,11 @@ class HostRotary:
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
 
     def __call__(self, positions, x):
+        return as_tensor(self.rotated(host_view(positions), host_view(x)))
+
+    def rotated(self, pos: np.ndarray, xn: np.ndarray) -> np.ndarray:
+        """The rotated copy of ``xn`` ``[T, heads, D]`` at positions ``pos`` ``[T]``, in NumPy."""
         r, first, second = self.rotary_dim, self.first, self.second
-        xn = np.from_dlpack(x)
-        pos = host_view(positions)
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         out = np.empty(xn.shape, xn.dtype)
         rot, out_rot = xn[..., :r], out[..., :r]
@@ -32,4 +33,4 @@ class HostRotary:
         out_rot[..., second] += rot[..., first] * sin
         if r < self.head_dim:
             out[..., r:] = xn[..., r:]
-        return dlpack.from_dlpack(out)
+        return out

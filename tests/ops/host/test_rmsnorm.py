@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from fastdeploy_ext.ops import cpu_features
-from fastdeploy_ext.ops.host.rmsnorm import _NUMPY_MIN_ELEMENTS, rms_norm_residual
+from fastdeploy_ext.ops.host import host_view
+from fastdeploy_ext.ops.host.rmsnorm import rms_norm_residual
+from fastdeploy_ext.ops.host_threads import CHUNK_ELEMENTS
 
 EPS = 1e-6
 
@@ -32,16 +34,22 @@ def test_matches_torch_in_float64(rows, hidden, with_residual, host_threads_set)
     assert err < 2e-6, (rows, hidden, err)
 
 
-def test_both_paths_are_covered_and_keep_shape():
-    """Inputs on either side of the NumPy threshold, 3-D as well as 2-D."""
+def test_one_pass_and_chunked_keep_shape_and_carry_views(host_threads_set):
+    """Inputs on either side of the chunk size (one pass, and row chunks over the threads), 3-D as well as 2-D;
+    both results carry the NumPy view of their own memory, which the next host op reads."""
+    host_threads_set(2)
     hidden = 128
-    for rows in (_NUMPY_MIN_ELEMENTS // hidden - 1, _NUMPY_MIN_ELEMENTS // hidden + 1):
+    for rows in (1, CHUNK_ELEMENTS // hidden - 1, 2 * CHUNK_ELEMENTS // hidden + 17):
         x = paddle.to_tensor(np.random.default_rng(rows).standard_normal((1, rows, hidden), dtype=np.float32))
         w = paddle.ones([hidden])
         out, summed = rms_norm_residual(x, w, EPS, x)
         assert out.shape == [1, rows, hidden] and summed.shape == [1, rows, hidden]
         ref = torch.nn.functional.rms_norm(torch.from_numpy(2 * x.numpy()).double(), (hidden,), eps=EPS).numpy()
         assert np.linalg.norm(out.numpy() - ref) / np.linalg.norm(ref) < 2e-6
+        for t in (out, summed):
+            view = host_view(t)
+            assert view.shape == tuple(t.shape) and view.ctypes.data == t.data_ptr()
+            np.testing.assert_array_equal(view, t.numpy())
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from fastdeploy_ext.engine.sampler import make_sampler
 from fastdeploy_ext.engine.scheduler import Scheduler
 from fastdeploy_ext.model_loader import iterate_checkpoint
 from fastdeploy_ext.models.registry import architecture_of, get_model_class
+from fastdeploy_ext.ops.cpu_allocator import keep_freed_memory
 from fastdeploy_ext.ops.cpu_features import describe_cpu
 from fastdeploy_ext.ops.host_threads import set_host_threads
 from fastdeploy_ext.quantization import describe_weight_bytes, resolve_quant_config
@@ -160,7 +161,8 @@ def set_device(args: EngineArgs, local_rank: int = 0) -> str:
         paddle.set_device(f"gpu:{local_rank}")
     else:
         paddle.set_device("cpu")
-        logger.info("CPU: %s; %d threads", describe_cpu(), set_cpu_threads(args))
+        logger.info("CPU: %s; %d threads; freed memory kept for reuse: %s", describe_cpu(), set_cpu_threads(args),
+                    keep_freed_memory())
     return device
 
 

@@ -1,4 +1,4 @@
-"""fp32 ``x @ W`` on the host through NumPy's OpenBLAS, split over the host threads.
+"""fp32 ``x @ W`` on the host: in MKL on its OpenMP threads on Intel CPUs, else NumPy's OpenBLAS split over the host threads.
 
 Paddle's CPU matmul goes to the MKL inside its wheel, which on AMD CPUs runs far below the machine's rate: a
 [512, 896] @ [896, 9728] product took 2.4x the CPU time of NumPy's OpenBLAS (its SkylakeX AVX-512 kernels on an
@@ -13,10 +13,14 @@ result does not depend on which thread took which piece), rows of the ``[N, K]``
 (each gives its own output columns). Column bands of a row-major weight read short strided segments: single-
 threaded, a [4864, 896] weight in 8 column bands streamed at ~60% of the rate of 8 row bands. The pieces are
 claimed one at a time by the calling thread and the team's threads as they come free: on a loaded machine a
-thread that is not scheduled leaves its share to the others instead of holding up the step. On Intel CPUs a
-weight-bound product instead runs in MKL on its OpenMP threads: on a 2-core Sapphire Rapids the Qwen2-0.5B decode
-products streamed at 28-30 GB/s there against 15-24 GB/s split here (the small qkv/o weights most), and a
-24-layer decode step went from 127.6 to 106.8 ms (benchmarks/profile_decode.py).
+thread that is not scheduled leaves its share to the others instead of holding up the step.
+
+On Intel CPUs every product worth splitting instead runs in one MKL call on its OpenMP threads. On a 2-core Sapphire
+Rapids the Qwen2-0.5B decode products streamed at 28-30 GB/s there against 15-24 GB/s split here (the small qkv/o
+weights most), and a 24-layer decode step went from 127.6 to 106.8 ms. A prefill's products split here by rows
+shared the cores with MKL's workers, which spin for a while after each MKL call (Paddle's own matmuls are MKL
+too): its [512, 896] @ [896, 9728] products ran at ~170 GFLOP/s in the engine against ~300 in one MKL call, and
+a 512-token prefill went from 2.0-2.5 to 1.75 s (benchmarks/profile_decode.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ _MAX_PIECES = 32
 # A row-major weight is cut into row bands while the partial sums (one [M, N] per piece) stay within this
 # fraction of the weight's bytes (pieces * M / K); above it, into column bands.
 _PARTIAL_FRACTION = 1 / 8
-# Weight elements from which a weight-bound product on Intel runs on MKL's OpenMP threads (whose workers spin
-# between calls, so a call starts in microseconds rather than a blocked thread's wake-up).
+# Weight elements from which even a one-row product on Intel runs on MKL's OpenMP threads: a decode step's
+# [896, 1152] qkv weight (1M multiply-adds, under _SPLIT_MIN_WORK) streamed at ~14 GB/s on one thread against
+# ~22 on two, whose workers spin between calls and so start in microseconds.
 _MKL_MIN_WEIGHT = 1 << 18
 
 
@@ -55,7 +60,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
     # Inside a host-thread task (a caller already split its work) the product runs whole: a nested hand-off
     # would wait on the pool it occupies.
     nested = threading.current_thread().name.startswith("fdext-host")
-    if (parts > 1 and not nested and m < parts * _ROW_SPLIT_MIN and k * n >= _MKL_MIN_WEIGHT
+    if (parts > 1 and not nested and (m * k * n >= _SPLIT_MIN_WORK or k * n >= _MKL_MIN_WEIGHT)
             and cpu_gemm.gemm_preferred() and _mkl_operands(x, w)):
         cpu_gemm.sgemm_into(x, w, out, threads=parts)
         if bias is not None:
@@ -68,11 +73,10 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
         return out
     if m >= parts * _ROW_SPLIT_MIN:
         bounds = [m * i // parts for i in range(parts + 1)]
-        product = cpu_gemm.sgemm_into if cpu_gemm.gemm_preferred() and _mkl_operands(x, w) else _numpy_into
 
         def band(i):
             rows = slice(bounds[i], bounds[i + 1])
-            product(x[rows], w, out[rows])
+            np.matmul(x[rows], w, out=out[rows])
             if bias is not None:
                 out[rows] += bias
 
@@ -111,10 +115,6 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray, bias: np.ndarray 
     if bias is not None:
         out += bias
     return out
-
-
-def _numpy_into(a, b, out):
-    np.matmul(a, b, out=out)
 
 
 def _mkl_operands(x, w) -> bool:

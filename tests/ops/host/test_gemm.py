@@ -19,10 +19,19 @@ def threads(request):
     set_host_threads(before)
 
 
+@pytest.fixture(params=["preferred", "own-split"])
+def product_path(request, monkeypatch):
+    """The path this CPU takes (MKL's threads on Intel), and the own split by rows or by the weight that other CPUs
+    take."""
+    if request.param == "own-split":
+        monkeypatch.setattr(cpu_gemm, "gemm_preferred", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("m,k,n", [(1, 896, 4097), (3, 1000, 2049), (17, 4864, 300), (17, 255, 1000), (257, 64, 3000),
                                    (1, 17, 1), (40, 300, 5000)])
 @pytest.mark.parametrize("transposed", [False, True], ids=["KxN", "NxK.T"])
-def test_matmul_into_matches_float64(threads, m, k, n, transposed):
+def test_matmul_into_matches_float64(threads, product_path, m, k, n, transposed):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -34,16 +43,8 @@ def test_matmul_into_matches_float64(threads, m, k, n, transposed):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
 
 
-@pytest.fixture(params=["preferred", "own-split"])
-def weight_path(request, monkeypatch):
-    """The weight-bound path this CPU takes (MKL's threads on Intel), and the own split that other CPUs take."""
-    if request.param == "own-split":
-        monkeypatch.setattr(cpu_gemm, "gemm_preferred", lambda: False)
-    return request.param
-
-
 @pytest.mark.parametrize("m", [1, 3])
-def test_matmul_into_split_by_weight_is_repeatable(threads, weight_path, m):
+def test_matmul_into_split_by_weight_is_repeatable(threads, product_path, m):
     """A weight split into pieces that whichever thread is free computes: the same bits every run."""
     rng = np.random.default_rng(17 + m)
     x = rng.standard_normal((m, 4864)).astype(np.float32)
@@ -55,7 +56,7 @@ def test_matmul_into_split_by_weight_is_repeatable(threads, weight_path, m):
     assert np.linalg.norm(first - ref) / np.linalg.norm(ref) < 1e-6
 
 
-def test_matmul_into_piece_error_reaches_the_caller(threads, weight_path):
+def test_matmul_into_piece_error_reaches_the_caller(threads, product_path):
     """An output one column short fails in the last piece, on whichever thread ran it: the caller gets the error
     and the next product runs normally."""
     rng = np.random.default_rng(255)

@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 from paddle.utils import dlpack
 
-from fastdeploy_ext.ops.host import as_tensor, cpu_gemm, host_view
+from fastdeploy_ext.ops.host import cpu_gemm, host_view, new_tensor
 
 _NEG = -1e30  # finite: a fully masked row must not turn into NaN
 # Prefill queries are processed in tiles of this many rows: tile [a, b) needs keys [0, ctx + b) only,
@@ -54,7 +54,8 @@ class HostAttention:
         slice or reshape of the projection cost ~50 us, the step's caches having just streamed a weight."""
         hq, hkv = self.num_heads, self.num_kv_heads
         x = host_view(qkv).reshape(-1, hq + 2 * hkv, self.head_dim)
-        qk = rotary.rotated(host_view(positions), x[:, :hq + hkv])
+        # The step's positions serve every layer: their view stays on the tensor after the first.
+        qk = rotary.rotated(host_view(positions, keep=True), x[:, :hq + hkv])
         return self._attend_arrays(qk[:, :hq], qk[:, hq:], x[:, hq + hkv:], meta, k_cache, v_cache, output_only)
 
     def _attend_arrays(self, qh, kh, vh, meta, k_cache, v_cache, output_only: bool) -> paddle.Tensor:
@@ -64,13 +65,14 @@ class HostAttention:
         if output_only:
             qh = qh[meta.output_rows]
         qh = qh * self.scale
+        result, out = new_tensor([qh.shape[0], self.num_heads * self.head_dim])
+        out = out.reshape(qh.shape[0], self.num_heads, self.head_dim)
         if output_only:
-            out = self._decodes(qh, k_cache, v_cache, meta.outputs, meta.block_size)
-            return as_tensor(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
-        out = np.empty((qh.shape[0], self.num_heads, self.head_dim), np.float32)
+            self._decodes(qh, k_cache, v_cache, meta.outputs, meta.block_size, out)
+            return result
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decodes(qh[:nd], k_cache, v_cache, meta.decodes, meta.block_size)
+            self._decodes(qh[:nd], k_cache, v_cache, meta.decodes, meta.block_size, out[:nd])
         prefills = list(meta.prefills)
         while prefills:
             p = prefills.pop(0)
@@ -93,10 +95,10 @@ class HostAttention:
                 keys = take_blocks(k_cache, p.blocks, meta.block_size)[:, :total]
                 vals = take_blocks(v_cache, p.blocks, meta.block_size)[:, :total]
             out[rows] = self._prefill(qh[rows], keys, vals, p)
-        return as_tensor(out.reshape(qh.shape[0], self.num_heads * self.head_dim))
+        return result
 
-    def _decodes(self, q, k_cache, v_cache, d, block_size: int) -> np.ndarray:
-        """q ``[Bd, Hq, D]`` (scaled) → ``[Bd, Hq, D]``: per sequence one BLAS matmul for its scores and one for
+    def _decodes(self, q, k_cache, v_cache, d, block_size: int, out: np.ndarray) -> None:
+        """q ``[Bd, Hq, D]`` (scaled) → ``out`` ``[Bd, Hq, D]`` (contiguous): per sequence one BLAS matmul for its scores and one for
         its output, and one softmax for all of them. A sequence's keys and values are a view of the cache when
         its pages are consecutive, else a copy of its pages.
 
@@ -124,10 +126,10 @@ class HostAttention:
         scores -= np.repeat(np.maximum.reduceat(scores, seg_starts, axis=0), seg_len, axis=0)
         np.exp(scores, out=scores)
         scores /= np.repeat(np.add.reduceat(scores, seg_starts, axis=0), seg_len, axis=0)
-        out = np.empty((bd, hkv, g, dim), np.float32)
+        out = out.view()
+        out.shape = (bd, hkv, g, dim)  # a view, never a copy: raises if it would have to be one
         for i, (p, vals) in enumerate(probs_vals):
             np.matmul(p, vals, out=out[i])
-        return out.reshape(bd, hkv * g, dim)
 
     def _prefill(self, q, keys, vals, p) -> np.ndarray:
         """q ``[n, Hq, D]`` of one sequence's chunk, keys/values ``[Hkv, L, D]`` of its whole context →

@@ -15,7 +15,6 @@ by the next one instead of going back to the kernel; the process keeps its peak,
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -32,7 +31,8 @@ def keep_freed_memory() -> str:
         return f"off ({ENV}=0)"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "glibc's defaults (not glibc)"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    # The process's own symbols hold libc's (ctypes.util.find_library would start ldconfig in a subprocess).
+    libc = ctypes.CDLL(None)
     # mallopt returns 1 on success. The trim threshold is an int: its largest value means "never".
     if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) != 1:
         return "glibc's defaults (mallopt refused)"

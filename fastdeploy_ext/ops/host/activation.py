@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from fastdeploy_ext.ops.host import host_view, new_tensor
 from fastdeploy_ext.ops.host_threads import run_chunked
 

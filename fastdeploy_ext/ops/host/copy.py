@@ -41,6 +41,13 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     run_parallel(tiles, parts)
 
 
+def transposed(a: np.ndarray) -> np.ndarray:
+    """A new row-major array holding ``a.T`` of a 2-D ``a``, copied in tiles over the host threads."""
+    out = np.empty(a.shape[::-1], a.dtype)
+    copy_into(out, a.T)
+    return out
+
+
 def assign_host(param, value, index=None) -> bool:
     """``param[index] = value`` through a NumPy view of a CPU float parameter (no Paddle tensor of the value, no
     Paddle setitem); False, with nothing written, where that does not apply (another device or dtype, a value

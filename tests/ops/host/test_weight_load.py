@@ -66,3 +66,32 @@ def test_linear_follows_a_parameter_whose_memory_was_replaced():
     paddle.to_tensor(b2)._share_buffer_to(lin.bias)
     ref2 = x.astype(np.float64) @ w2.T.astype(np.float64) + b2
     assert np.abs(lin(paddle.to_tensor(x)).numpy() - ref2).max() < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(1, 17), (17, 1), (257, 17), (1000, 255)])
+def test_transposed_copy_is_exact(shape):
+    from fastdeploy_ext.ops.host.copy import transposed
+
+    a = np.random.default_rng(23).standard_normal(shape).astype(np.float32)
+    t = transposed(a)
+    assert t.flags.c_contiguous and t.shape == shape[::-1]
+    assert np.array_equal(t, a.T)
+
+
+def test_tied_head_follows_a_table_whose_memory_was_replaced():
+    """The host's tied LM head multiplies by its own [H, V] copy of the embedding table; a table given new memory
+    (a reload) is copied again."""
+    from fastdeploy_ext.layers.embeddings import VocabParallelEmbedding, tied_lm_logits
+
+    rng = np.random.default_rng(29)
+    emb = VocabParallelEmbedding(None, 1000, 17, prefix="model.embed_tokens")
+    table = rng.standard_normal((1000, 17)).astype(np.float32)
+    emb.weight_loader(emb.embeddings.weight, table)
+    h = rng.standard_normal((8, 17)).astype(np.float32)
+    ref = h.astype(np.float64) @ table.T.astype(np.float64)
+    assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref).max() < 1e-4
+    assert emb.host_head_weight().shape == (17, 1000)
+    table2 = table[::-1].copy()
+    paddle.to_tensor(table2)._share_buffer_to(emb.embeddings.weight)
+    ref2 = h.astype(np.float64) @ table2.T.astype(np.float64)
+    assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref2).max() < 1e-4

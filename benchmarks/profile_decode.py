@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step and a prefill step of the host backend spend their time, op by op.
+"""Where a decode step (one sequence or --batch of them) and a prefill step of the host backend spend their time.
 
 Loads a checkpoint (by default the Qwen2-0.5B-shaped random one of ``bench_vs_llamacpp.py``, written on first
 use) through ``LLM``, then runs a prompt and greedy decode steps with a wall-clock timer around every layer of the
@@ -8,6 +8,7 @@ step, the bytes it must move (weights, KV cache, activations) and the rate that 
 top functions of a cProfile run of the decode steps; ``--load-profile`` a cProfile of the load.
 
     python benchmarks/profile_decode.py --threads 2 --prompt 512 --steps 32
+    python benchmarks/profile_decode.py --threads 2 --prompt 256 --steps 32 --batch 8
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefills", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (the report takes the last "
+                                                         "half of the steps, when every sequence decodes)")
     ap.add_argument("--cprofile", action="store_true", help="also a cProfile of the decode steps")
     ap.add_argument("--load-profile", action="store_true", help="a cProfile of the load")
     args = ap.parse_args()
@@ -178,7 +181,7 @@ def main() -> int:
     t = time.perf_counter()
     if prof:
         prof.enable()
-    llm = LLM(model=args.model, max_model_len=args.prompt + args.steps + 64, max_num_seqs=1,
+    llm = LLM(model=args.model, max_model_len=args.prompt + args.steps + 64, max_num_seqs=args.batch,
               num_threads=args.threads)
     if prof:
         prof.disable()
@@ -200,16 +203,16 @@ def main() -> int:
     prof = cProfile.Profile() if args.cprofile else None
     if prof:
         prof.enable()
-    llm.generate([{"prompt_token_ids": rng.integers(0, 500, size=args.prompt).tolist()}],
+    llm.generate([{"prompt_token_ids": rng.integers(0, 500, size=args.prompt).tolist()} for _ in range(args.batch)],
                  SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True), use_tqdm=False)
     if prof:
         prof.disable()
-    decode_steps = timer.steps[1:]
+    decode_steps = timer.steps[1:] if args.batch == 1 else timer.steps[-(args.steps // 2):]
     cfg = llm.llm_engine.model.cfg
     ctx = args.prompt + args.steps / 2
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * ctx
     report(f"prefill ({args.prompt} tokens)", prefill_steps)
-    report(f"decode (batch 1, context ~{int(ctx)})", decode_steps, kv_bytes=kv)
+    report(f"decode (batch {args.batch}, context ~{int(ctx)})", decode_steps, kv_bytes=kv * args.batch)
     print(f"load average {os.getloadavg()[0]:.2f}")
     if prof:
         _print_profile(prof, 40)

@@ -88,6 +88,14 @@ def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_
 
 
 @triton.jit
+def _e(s, m):
+    """``exp(s - m)`` clamped to 1: on a GPU the compiler may contract ``x * inv_t - m`` into one FMA, and the
+    row's own maximum then comes out a rounding step above 1, outside the first search round's key range (a
+    temperature-0.8 top-p row on an H100 kept a second token that way)."""
+    return tl.minimum(tl.exp(s - m), 1.0)
+
+
+@triton.jit
 def _gumbel(k0, k1, pos, start, BLOCK: tl.constexpr):
     """Gumbel noise ``-log(-log u)`` of tokens ``start .. start + BLOCK`` (start a multiple of 4): one Philox call
     per 4 tokens (counter = token // 4, position), its words 0, 2, 1, 3 on tokens 4q .. 4q + 3."""
@@ -285,7 +293,7 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                            slot, rep, freq, pres, inv_t, offs, V)
-            e = tl.exp(s - m)
+            e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
             b = r * NB + ((key - lo) >> shift)
@@ -384,7 +392,7 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                            slot, rep, freq, pres, inv_t, offs, V)
-            key = tl.exp(s - m).to(tl.int32, bitcast=True)
+            key = _e(s, m).to(tl.int32, bitcast=True)
             n += tl.sum(((key == thr) & (s > float("-inf")) & (offs < V)).to(tl.int32), 0)
         tl.store(part + P_TIES * R * C + r * C + c, n.to(tl.float32, bitcast=True))
 
@@ -422,7 +430,7 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             offs = start + tl.arange(0, BLOCK)
             x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                            slot, rep, freq, pres, inv_t, offs, V)
-            e = tl.exp(s - m)
+            e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             keep = (s > float("-inf")) & (key >= thr) & (e >= min_p) & (offs < V)
             if need >= 0:

@@ -66,17 +66,14 @@ class ModelRunner:
             self.copy_state(src_slot, dst_slot)
 
     def warm_up(self, num_tokens: int, num_seqs: int, max_len: int) -> None:
-        """One dummy prefill of up to ``num_tokens`` tokens over up to ``num_seqs`` sequences, with the logits of each
-        sequence's last token (discarded).
+        """One dummy prefill of up to ``num_tokens`` tokens over up to ``num_seqs`` sequences, without logits.
 
         The first step of a size touches fresh memory (Paddle's allocator grows, NumPy's buffers come from new
         pages). On the CPU VM of docs/benchmarks.md the MiniMax benchmark's first 2048-token prefill took 32.7k
         minor page faults and ~1.0 s against ~0.63 s for the next one; this pays that at start-up. The KV pages
         and state slots it writes are free: a request writes its KV before reading it, and a request starting
-        at position 0 gets a zeroed state slot. The logits make the LM head's first call here too: the host's tied
-        head builds its [H, V] copy of the table then (~0.25 s for Qwen2-0.5B). The dummy prompt is bounded by
-        :data:`WARM_UP_FLOPS`: a 2048-token prefill of a 0.5B model is ~2 TFLOP, tens of seconds on 2 cores to save
-        a fraction of one."""
+        at position 0 gets a zeroed state slot. The dummy prompt is bounded by :data:`WARM_UP_FLOPS`: a
+        2048-token prefill of a 0.5B model is ~2 TFLOP, tens of seconds on 2 cores to save a fraction of one."""
         params = sum(int(p.numel()) for p in self.model.parameters())
         num_tokens = min(num_tokens, max(WARM_UP_MIN_TOKENS, int(WARM_UP_FLOPS // max(1, 2 * params))))
         bs = self.block_size
@@ -90,7 +87,7 @@ class ModelRunner:
             SeqInput(request_id=f"warm-up-{b}", token_ids=((np.arange(length) * 13 + b * 7919) % vocab).tolist(),
                      start=0, block_ids=list(range(b * blocks, (b + 1) * blocks)),
                      state_slot=b if self.state_pool is not None else None, prompt_len=length,
-                     prompt_logits=False, completes=True)
+                     prompt_logits=False, completes=False)
             for b in range(seqs)
         ])
 

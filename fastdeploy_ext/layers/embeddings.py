@@ -68,16 +68,22 @@ class VocabParallelEmbedding(nn.Layer):
     def _forward_host(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
         return as_host_tensor(np.take(host_view(self.embeddings.weight), host_view(ids_remove_padding), axis=0))
 
-    def host_head_weight(self) -> np.ndarray:
-        """The tied LM head's ``[H, V / tp]`` weight on the host: a row-major copy of the table's transpose, made
-        again only when the table's memory changes. MKL streams it at 14 GB/s for 8 rows of hidden states against
-        7.3 GB/s through the transposed view of the ``[V, H]`` table (a 545 MB Qwen2-0.5B head, docs/benchmarks.md),
-        for a second ``V x H`` float32 table in host memory."""
+    def host_head_weight(self, rows: int) -> np.ndarray:
+        """The tied LM head's ``[H, V / tp]`` weight on the host for ``rows`` hidden states. One row reads the
+        transposed view of the ``[V, H]`` table; from the first call with several rows on, a row-major copy of that
+        transpose (made again only when the table's memory changes): MKL streamed the view at 7.3 GB/s for 8 rows
+        against 14 GB/s for the copy, and at 23 against 26 GB/s for one (a 545 MB Qwen2-0.5B head,
+        docs/benchmarks.md). The copy costs a second ``V x H`` float32 table in host memory and ~0.25 s, paid by
+        the first step of several sequences rather than at load."""
+        table = host_view(self.embeddings.weight)
         key = self.embeddings.weight.data_ptr()
         cached = self.__dict__.get("_host_head")
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_host_head"] = (key, host_transposed(host_view(self.embeddings.weight)))
-        return cached[1]
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if rows == 1:
+            return table.T
+        self.__dict__["_host_head"] = (key, host_transposed(table))
+        return self.__dict__["_host_head"][1]
 
     def forward(self, ids_remove_padding: paddle.Tensor) -> paddle.Tensor:
         """``ids_remove_padding`` ``[T]`` int64 → ``[T, embedding_dim]``."""
@@ -132,7 +138,7 @@ def tied_lm_logits(embed_tokens: VocabParallelEmbedding, hidden: paddle.Tensor, 
     ``lm_head`` configs."""
     dtype = accum_dtype(fd_config)
     if embed_tokens.host:
-        logits = _host_logits(hidden, embed_tokens.host_head_weight())
+        logits = _host_logits(hidden, embed_tokens.host_head_weight(hidden.shape[0]))
     else:
         weight = embed_tokens.embeddings.weight.astype(dtype)
         logits = paddle.matmul(hidden.astype(dtype), weight, transpose_y=True)

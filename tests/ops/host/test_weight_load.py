@@ -79,19 +79,22 @@ def test_transposed_copy_is_exact(shape):
 
 
 def test_tied_head_follows_a_table_whose_memory_was_replaced():
-    """The host's tied LM head multiplies by its own [H, V] copy of the embedding table; a table given new memory
-    (a reload) is copied again."""
+    """The host's tied LM head reads the embedding table's transposed view for one row and, from the first call
+    with several rows, its own [H, V] copy; a table given new memory (a reload) is copied again."""
     from fastdeploy_ext.layers.embeddings import VocabParallelEmbedding, tied_lm_logits
 
     rng = np.random.default_rng(29)
     emb = VocabParallelEmbedding(None, 1000, 17, prefix="model.embed_tokens")
     table = rng.standard_normal((1000, 17)).astype(np.float32)
     emb.weight_loader(emb.embeddings.weight, table)
-    h = rng.standard_normal((8, 17)).astype(np.float32)
-    ref = h.astype(np.float64) @ table.T.astype(np.float64)
-    assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref).max() < 1e-4
-    assert emb.host_head_weight().shape == (17, 1000)
+    for i, rows in enumerate((1, 8, 1)):
+        h = rng.standard_normal((rows, 17)).astype(np.float32)
+        ref = h.astype(np.float64) @ table.T.astype(np.float64)
+        assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref).max() < 1e-4
+        assert ("_host_head" in emb.__dict__) == (i > 0)  # no copy for a single row
+    assert emb.host_head_weight(1).shape == (17, 1000) and emb.host_head_weight(1).flags.c_contiguous
     table2 = table[::-1].copy()
     paddle.to_tensor(table2)._share_buffer_to(emb.embeddings.weight)
+    h = rng.standard_normal((3, 17)).astype(np.float32)
     ref2 = h.astype(np.float64) @ table2.T.astype(np.float64)
     assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref2).max() < 1e-4

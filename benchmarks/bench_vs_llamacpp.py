@@ -151,7 +151,11 @@ def server(cmd: list[str], port: int, limit_s: float, start_timeout: float, env:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{cmd[0]} not healthy within {start_timeout} s (log: {log.name})")
             time.sleep(0.25)
-        yield base
+        try:
+            yield base
+        except Exception as exc:
+            raise RuntimeError(f"{type(exc).__name__} from {cmd[0]} on {base} (its log: {log.name}, alive: "
+                               f"{proc.poll() is None})") from exc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -183,7 +187,7 @@ def engine_server(model_dir: str, threads: int, slots: int, max_model_len: int, 
     port = free_port()
     cmd = [sys.executable, "-m", "fastdeploy_ext.entrypoints.cli", "serve", "--model", model_dir, "--host",
            "127.0.0.1", "--port", str(port), "--max-num-seqs", str(slots), "--max-model-len", str(max_model_len),
-           "--log-level", "warning"]
+           "--log-level", "info"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), GLOG_minloglevel="2")
     return server(cmd, port, limit_s, start_timeout, env=env)
 

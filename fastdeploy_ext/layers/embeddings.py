@@ -71,15 +71,15 @@ class VocabParallelEmbedding(nn.Layer):
     def host_head_weight(self, rows: int) -> np.ndarray:
         """The tied LM head's ``[H, V / tp]`` weight on the host for ``rows`` hidden states. One row reads the
         transposed view of the ``[V, H]`` table; from the first call with several rows on, a row-major copy of that
-        transpose (made again only when the table's memory changes): MKL streamed the view at 7.3 GB/s for 8 rows
-        against 14 GB/s for the copy, and at 23 against 26 GB/s for one (a 545 MB Qwen2-0.5B head,
-        docs/benchmarks.md). The copy costs a second ``V x H`` float32 table in host memory and ~0.25 s, paid by
-        the first step of several sequences rather than at load."""
-        table = host_view(self.embeddings.weight)
+        transpose (made again only when the table's memory changes). For a 545 MB Qwen2-0.5B head MKL streamed the
+        view at 7.3 GB/s for 8 rows in the engine against 14-15 GB/s for the copy (docs/benchmarks.md), and at 23
+        against 26 GB/s for one row in a micro-benchmark. The copy costs a second ``V x H`` float32 table in host
+        memory and ~0.25 s, paid by the first step of several sequences rather than at load."""
         key = self.embeddings.weight.data_ptr()
         cached = self.__dict__.get("_host_head")
         if cached is not None and cached[0] == key:
             return cached[1]
+        table = host_view(self.embeddings.weight)
         if rows == 1:
             return table.T
         self.__dict__["_host_head"] = (key, host_transposed(table))

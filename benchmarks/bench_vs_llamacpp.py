@@ -15,7 +15,7 @@ times:
 llama.cpp runs with its defaults (F16 KV cache; flash attention, which casts F32 K/V to F16) unless
 ``--llama-f32-attention`` is given. ``benchmarks/agree_llamacpp.py`` checks both settings against HF. The
 converter needs ``sentencepiece`` beside the test extras (``pip install sentencepiece``): it reads the tiny
-checkpoint's vocabulary through it.
+checkpoint's vocabulary through that library (llama.cpp's conversion/qwen.py).
 
     python benchmarks/bench_vs_llamacpp.py --llama-cpp /work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp \\
         --bin /work/llamacpp/build/bin --threads 2 --pairs 3

@@ -110,7 +110,10 @@ def engine_decoder_states(llm, prompt: dict) -> tuple[list[np.ndarray], list[int
         out = output[0] + output[1] if isinstance(output, tuple) else output
         captured["layers"].append(out.numpy().copy())
 
-    hooks = [stack.layers[0].register_forward_pre_hook(lambda m, inputs: captured["embed"].append(inputs[0].numpy().copy())),
+    def embed_input(m, inputs):
+        captured["embed"].append(inputs[0].numpy().copy())
+
+    hooks = [stack.layers[0].register_forward_pre_hook(embed_input),
              stack.register_forward_post_hook(lambda m, inputs, output: captured["norm"].append(output.numpy().copy()))]
     hooks += [layer.register_forward_post_hook(layer_output) for layer in stack.layers]
     model = llm.llm_engine.model

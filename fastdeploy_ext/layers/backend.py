@@ -26,10 +26,10 @@ from fastdeploy_ext.ops.host.copy import transposed as host_transposed
 from fastdeploy_ext.ops.host.gemm import matmul_into
 
 # The linear and embedding layers run their host path on these directly (ops/host/gemm.py, and a result tensor
-# that carries its view for the next host op); ``assign`` in
-# layers/utils.py copies weights into CPU parameters through ``assign_host``.
-__all__ = ["AttentionBackend", "Backend", "accum_dtype", "as_host_tensor", "assign_host", "backend_for", "backend_of", "compute_dtype",
-           "host_transposed", "host_view", "matmul_into", "new_host_tensor"]
+# that carries its view for the next host op); ``assign`` in layers/utils.py copies weights into CPU parameters
+# through ``assign_host``.
+__all__ = ["AttentionBackend", "Backend", "accum_dtype", "as_host_tensor", "assign_host", "backend_for", "backend_of",
+           "compute_dtype", "host_transposed", "host_view", "matmul_into", "new_host_tensor"]
 
 
 def compute_dtype(fd_config) -> str:

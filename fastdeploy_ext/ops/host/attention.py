@@ -98,9 +98,9 @@ class HostAttention:
         return result
 
     def _decodes(self, q, k_cache, v_cache, d, block_size: int, out: np.ndarray) -> None:
-        """q ``[Bd, Hq, D]`` (scaled) → ``out`` ``[Bd, Hq, D]`` (contiguous): per sequence one BLAS matmul for its scores and one for
-        its output, and one softmax for all of them. A sequence's keys and values are a view of the cache when
-        its pages are consecutive, else a copy of its pages.
+        """q ``[Bd, Hq, D]`` (scaled) → ``out`` ``[Bd, Hq, D]`` (contiguous): per sequence one BLAS matmul for its
+        scores and one for its output, and one softmax for all of them. A sequence's keys and values are a view of
+        the cache when its pages are consecutive, else a copy of its pages.
 
         Scores are computed as keys @ q^T, ``[Hkv, L, g]`` per sequence: BLAS streams the (uncached) keys 1.5x
         faster in that orientation than as q @ keys^T."""

@@ -1,4 +1,4 @@
-"""fp32 ``x @ W`` on the host: in MKL on its OpenMP threads on Intel CPUs, else NumPy's OpenBLAS split over the host threads.
+"""fp32 ``x @ W`` on the host: MKL on its OpenMP threads on Intel CPUs, else NumPy's OpenBLAS over the host threads.
 
 Paddle's CPU matmul goes to the MKL inside its wheel, which on AMD CPUs runs far below the machine's rate: a
 [512, 896] @ [896, 9728] product took 2.4x the CPU time of NumPy's OpenBLAS (its SkylakeX AVX-512 kernels on an

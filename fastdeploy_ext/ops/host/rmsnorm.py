@@ -20,7 +20,7 @@ def rms_norm_residual(x, weight, eps: float, residual=None):
     residual, ``(rms_norm(x) * weight, x)``. Both results carry their NumPy views (``ops/host/__init__.py``), so
     the next host op reads them without a DLPack round trip. In a Qwen2-0.5B decode step the 49 norms took 6.1 ms,
     ~124 us each, every one right after a weight-streaming product (``benchmarks/profile_decode.py``, 2-core
-    Xeon, 2026-12-06)."""
+    Xeon; docs/benchmarks.md)."""
     shape = x.shape
     xh = host_view(x).reshape(-1, shape[-1])
     wh = host_view(weight)

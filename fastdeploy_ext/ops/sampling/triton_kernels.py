@@ -90,8 +90,8 @@ def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_
 @triton.jit
 def _e(s, m):
     """``exp(s - m)`` clamped to 1: on a GPU the compiler may contract ``x * inv_t - m`` into one FMA, and the
-    row's own maximum then comes out a rounding step above 1, outside the first search round's key range (a
-    temperature-0.8 top-p row on an H100 kept a second token that way)."""
+    row's own maximum then comes out a rounding step above 1, outside the first search round's key range, where
+    a top-p search would leave it out of the mass it counts."""
     return tl.minimum(tl.exp(s - m), 1.0)
 
 

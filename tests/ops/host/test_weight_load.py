@@ -90,11 +90,16 @@ def test_tied_head_follows_a_table_whose_memory_was_replaced():
     for i, rows in enumerate((1, 8, 1)):
         h = rng.standard_normal((rows, 17)).astype(np.float32)
         ref = h.astype(np.float64) @ table.T.astype(np.float64)
-        assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref).max() < 1e-4
+        assert _rel_err(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy(), ref) < 1e-6
         assert ("_host_head" in emb.__dict__) == (i > 0)  # no copy for a single row
     assert emb.host_head_weight(1).shape == (17, 1000) and emb.host_head_weight(1).flags.c_contiguous
     table2 = table[::-1].copy()
     paddle.to_tensor(table2)._share_buffer_to(emb.embeddings.weight)
     h = rng.standard_normal((3, 17)).astype(np.float32)
     ref2 = h.astype(np.float64) @ table2.T.astype(np.float64)
-    assert np.abs(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy() - ref2).max() < 1e-4
+    assert _rel_err(tied_lm_logits(emb, paddle.to_tensor(h), None).numpy(), ref2) < 1e-6
+
+
+def _rel_err(out, ref):
+    # float32 dot products of 17 unit-scale terms against float64: ~1e-7 relative.
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

@@ -12,6 +12,7 @@ host-side index math every attention and lightning layer of the step shares is b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -67,6 +68,16 @@ class Backend:
         self.scaled_sum = residual.scaled_sum  # ``(alpha, x, beta, y) -> alpha * x + beta * y``
         # Page copies and recurrent-state slot ops of the runner's caches.
         self.copy_rows, self.zero_slots, self.copy_slots = cache.copy_rows, cache.zero_slots, cache.copy_slots
+
+    def step_scratch(self):
+        """The context a model runs its decoder layers in, one ``with`` per pass: on the host a ``StepScratch``
+        (``ops/host/__init__.py``: a pass reuses the last pass's result tensors where the shapes repeat, so results
+        made inside are valid until the next pass); on the device none."""
+        if self.name == "host":
+            from fastdeploy_ext.ops.host import StepScratch
+
+            return StepScratch()
+        return contextlib.nullcontext()
 
     def attention(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         """``(q, k, v, attn_metadata, k_cache, v_cache, output_only) -> [T, Hq * D]``: host NumPy/MKL; on the device

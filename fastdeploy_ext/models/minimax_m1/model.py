@@ -20,7 +20,7 @@ from fastdeploy_ext.layers.linear_attention import LinearAttention
 from fastdeploy_ext.layers.moe import FusedMoE
 from fastdeploy_ext.layers.normalization import RMSNorm
 from fastdeploy_ext.layers.rotary_embedding import get_rope
-from fastdeploy_ext.layers.backend import accum_dtype
+from fastdeploy_ext.layers.backend import accum_dtype, backend_for
 from fastdeploy_ext.layers.residual import ScaledResidual
 from fastdeploy_ext.layers.utils import WeightLoadError, default_weight_loader, shape_of
 from fastdeploy_ext.model_loader import check_all_loaded
@@ -120,11 +120,14 @@ class MiniMaxM1Model(nn.Layer):
         self.layers = nn.LayerList(layers)
         self.num_linear_layers = n_linear
         self.norm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.norm")
+        # Results made inside live until the next pass; the final norm's, which the caller keeps, are made outside.
+        self.scratch = backend_for(fd_config).step_scratch()
 
     def forward(self, ids_remove_padding, forward_meta):
         hidden = self.embed_tokens(ids_remove_padding)
-        for layer in self.layers:
-            hidden = layer(hidden, forward_meta)
+        with self.scratch:
+            for layer in self.layers:
+                hidden = layer(hidden, forward_meta)
         hidden, _ = self.norm(hidden)
         return hidden
 

@@ -9,6 +9,7 @@ from paddle import nn
 from fastdeploy_ext.models.qwen2.config import Qwen2Config
 from fastdeploy_ext.layers.activation import SiluAndMul
 from fastdeploy_ext.layers.attention import Attention
+from fastdeploy_ext.layers.backend import backend_for
 from fastdeploy_ext.layers.embeddings import ParallelLMHead, VocabParallelEmbedding, tied_lm_logits
 from fastdeploy_ext.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fastdeploy_ext.layers.normalization import RMSNorm
@@ -87,13 +88,16 @@ class Qwen2Model(nn.Layer):
             [Qwen2DecoderLayer(fd_config, cfg, i, rope, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(fd_config, cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.norm")
+        # Results made inside live until the next pass; the final norm's, which the caller keeps, are made outside.
+        self.scratch = backend_for(fd_config).step_scratch()
 
     def forward(self, ids_remove_padding, forward_meta, inputs_embeds=None):
         hidden = self.embed_tokens(ids_remove_padding) if inputs_embeds is None else inputs_embeds
         residual = None
         last = len(self.layers) - 1 if forward_meta.output_rows is not None else -1
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, forward_meta, output_only=i == last)
+        with self.scratch:
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, forward_meta, output_only=i == last)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from fastdeploy_ext.ops.host import host_view, new_tensor
+from fastdeploy_ext.ops.host import host_view, new_tensor, param_view
 from fastdeploy_ext.ops.host_threads import run_chunked
 
 
 def rms_norm_residual(x, weight, eps: float, residual=None):
     """``(rms_norm(x + residual) * weight, x + residual)`` of float32 CPU tensors ``[..., H]``; without a
     residual, ``(rms_norm(x) * weight, x)``. Both results carry their NumPy views (``ops/host/__init__.py``), so
-    the next host op reads them without a DLPack round trip. In a Qwen2-0.5B decode step the 49 norms took 6.1 ms,
-    ~124 us each, every one right after a weight-streaming product (``benchmarks/profile_decode.py``, 2-core
-    Xeon; docs/benchmarks.md)."""
-    shape = x.shape
-    xh = host_view(x).reshape(-1, shape[-1])
-    wh = host_view(weight)
+    the next host op reads them without a DLPack round trip. In a Qwen2-0.5B decode step each of the 49 norms runs
+    right after a weight-streaming product, where every first call into Paddle or NumPy code is slow: a new DLPack
+    view of the weight cost ~37 us (its kept view, ``param_view``, ~12), Paddle's ``x.shape`` ~9 (the view's:
+    none), and the norms took ~3.3 ms of the step, ~68 us each (2-core Xeon; docs/benchmarks.md)."""
+    x_view = host_view(x)
+    shape = x_view.shape
+    xh = x_view.reshape(-1, shape[-1])
+    wh = param_view(weight)
     n, width = xh.shape
     normed, out = new_tensor(shape)
     out = out.reshape(n, width)

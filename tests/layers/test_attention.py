@@ -102,6 +102,18 @@ def test_decode_matches_float64(backend, dtype, seed, contiguous):
 
 
 @pytest.mark.parametrize("backend, dtype", IMPLS)
+@pytest.mark.parametrize("length", [1, 17, 255, 257, 1000])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_one_sequence_decode_matches_float64(backend, dtype, length, contiguous):
+    """A batch-1 decode step: on consecutive pages the host backend's own one-sequence path, else a page copy."""
+    q, k, v, k_cache, v_cache, pages, tables = _decode_step(length, [length], contiguous)
+    meta = _meta([1], [length - 1], tables, 1, dtype)
+    assert bool(meta.decodes.first_rows[0] >= 0) == (contiguous or length <= BLOCK)
+    got, _ = _run(_attention(backend, dtype), dtype, q, k, v, k_cache, v_cache, meta)
+    assert _rel_err(got, _reference(q, k, v, k_cache, v_cache, pages, [length])) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backend, dtype", IMPLS)
 def test_decode_mixed_views_and_copies(backend, dtype):
     """Some sequences' pages consecutive, others not, in one step."""
     lengths = [5, 40, 300, 129]

@@ -288,7 +288,7 @@ def bench_device(args):
             z = torch.zeros_like(z).scatter_(-1, si, sp)
         return torch.multinomial(z, 1, generator=gen).view(-1).cpu()
 
-    chunks = (8192,) + ((4096, 16384, 32768) if args.sweep else ())
+    chunks = (None,) + ((8192, 16384, 32768) if args.sweep else ())
     for vocab in args.vocab:
         for rows in args.rows:
             logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
@@ -313,12 +313,12 @@ def bench_device(args):
                 for chunk in chunks:
                     # The counts grow by each timed step's tokens: the penalties change, the work does not.
                     t = triton.testing.do_bench(lambda: sample_rows(logits, batch, counts, chunk=chunk))
-                    entry[f"device_us_c{chunk}"] = t * 1e3
+                    entry[f"device_us_c{chunk or 'auto'}"] = t * 1e3
                 p = specs[0].params
                 if not setting.endswith("mask") and p.temperature > 0:
                     entry["torch_us"] = triton.testing.do_bench(
                         lambda: plain_torch(logits, p.temperature, p.top_p, p.top_k)) * 1e3
-                dev = entry["device_us_c8192"]
+                dev = entry["device_us_cauto"]
                 print(f"  {setting}: device {dev:.1f} us ({dev / entry['floor_us']:.2f}x floor), host batch build "
                       f"{entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
                       + ", ".join(f"{k} {v:.1f}" for k, v in entry.items() if k.startswith("device_us_")), flush=True)
@@ -326,6 +326,87 @@ def bench_device(args):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    return 0
+
+
+def profile_device(args):
+    """torch on a CUDA GPU: per setting and ``--rows``, the whole step (do_bench) and the host's wall time to
+    issue a step without waiting for it; with ``--sweep``, the step at other (chunk, block, warps); then, in a
+    second phase (the profiler's hooks slow every later launch), each kernel's GPU time per step over 20 steps."""
+    import torch
+    import triton
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastdeploy_ext.ops import launch
+    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
+    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+
+    steps = 20
+    probe = torch.zeros(8, device="cuda")
+    ops = launch.ops_for(probe, "probe")
+    small = np.zeros((256, 17), np.int32)
+    pieces = {}
+    for name, fn in (("upload [256, 17] int32", lambda: ops.from_host(small, probe)),
+                     ("empty", lambda: ops.empty([4096], "int32", probe)),
+                     ("download [256, 67] int32", lambda: ops.to_host(ops.empty([256, 67], "int32", probe)))):
+        times = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        pieces[name] = np.median(times) * 1e6
+    print("host pieces (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in pieces.items()), flush=True)
+    configs = [(None, 1024, 4)]  # sample_rows' defaults
+    if args.sweep:
+        configs += [(c, b, w) for c in (8192, 32768, 65536) for b in (1024, 2048) for w in (4, 8)]
+    cases = []
+    for vocab in args.vocab:
+        for rows in args.rows:
+            logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
+            masks = synthetic_masks(rows, vocab, args.seed + 1)
+            floor = triton.testing.do_bench(lambda: logits.amax(dim=1)) * 1e3
+            for setting in args.settings:
+                specs = make_specs(rows, vocab, setting, args.seed)
+                bitmask = masks if setting.endswith("mask") else None
+                counts = slots = None
+                if any(has_penalties(s.params) for s in specs):
+                    counts = PenaltyCounts(vocab, logits, capacity=rows)
+                    slots = counts.slots_for(specs)
+                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                line = []
+                for chunk, block, warps in configs:
+                    t = triton.testing.do_bench(
+                        lambda: sample_rows(logits, batch, counts, chunk=chunk, block=block, warps=warps)) * 1e3
+                    line.append(f"c{chunk}/b{block}/w{warps} {t:.1f}")
+                issued = []
+                real_to_host = launch.TorchOps.to_host
+                try:
+                    # The host's share: everything up to the final copy, which is the step's only wait.
+                    launch.TorchOps.to_host = lambda self, t: np.zeros(tuple(t.shape), np.int32)
+                    for _ in range(steps):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        sample_rows(logits, batch, counts)
+                        issued.append(time.perf_counter() - t0)
+                finally:
+                    launch.TorchOps.to_host = real_to_host
+                print(f"vocab {vocab} R={rows} {setting}: floor {floor:.1f} us, host issue "
+                      f"{np.median(issued) * 1e6:.1f} us, step (us) " + ", ".join(line), flush=True)
+                cases.append((vocab, rows, setting, logits, batch, counts))
+    for vocab, rows, setting, logits, batch, counts in cases:
+        for chunk, block, warps in configs:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    sample_rows(logits, batch, counts, chunk=chunk, block=block, warps=warps)
+                torch.cuda.synchronize()
+            per = {ev.key: (ev.device_time_total / steps, ev.count / steps) for ev in prof.key_averages()
+                   if ev.device_time_total > 0}
+            print(f"vocab {vocab} R={rows} {setting} c{chunk}/b{block}/w{warps}: GPU busy "
+                  f"{sum(v[0] for v in per.values()):.1f} us: "
+                  + ", ".join(f"{name[:16]} {us:.1f} x{n:.0f}"
+                              for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])), flush=True)
     return 0
 
 
@@ -386,7 +467,10 @@ def main() -> int:
     ap.add_argument("--device", action="store_true", help="the device sampler on a CUDA GPU (torch)")
     ap.add_argument("--out", default=None, help="also write the device results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="device: also other chunk sizes")
+    ap.add_argument("--profile", action="store_true", help="device: GPU time per kernel and the host's share")
     args = ap.parse_args()
+    if args.device and args.profile:
+        return profile_device(args)
     if args.device:
         return bench_device(args)
     if args.engine:

@@ -276,7 +276,15 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     assert len(set(tokens)) == 1
 
 
-def test_logprobs_are_the_raw_log_softmax():
+@pytest.mark.parametrize("block,chunk,room", [(64, 128, None), (32, 128, 32)],
+                         ids=["candidates fit", "candidates overflow"])
+def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
+    """Top logprobs from each chunk's candidates; with room for 32 candidates and 32-token blocks every token of a
+    chunk's first block is one, so the second block overflows the room and the chunk's exact merge runs."""
+    from fastdeploy_ext.ops.sampling import launcher
+
+    if room is not None:
+        monkeypatch.setattr(launcher, "TOP_CANDIDATES", room)
     rng = np.random.default_rng(5)
     vocab = 500
     x = (rng.standard_normal((3, vocab)) * 4).astype(np.float32)
@@ -284,7 +292,7 @@ def test_logprobs_are_the_raw_log_softmax():
     specs = [SampleRow(SamplingParams(temperature=1.0, logprobs=5), seed=1),
              SampleRow(SamplingParams(temperature=0.5, top_p=0.9, logprobs=3, logit_bias={4: 9.0}), seed=2),
              SampleRow(SamplingParams(temperature=0.0, logprobs=0), seed=3)]
-    out = run(x, specs, block=64, chunk=128)
+    out = run(x, specs, block=block, chunk=chunk)
     for r, (spec, got) in enumerate(zip(specs, out.logprob_dicts())):
         want = top_logprobs(log_softmax(x[r].astype(np.float64)[None])[0], spec.params.logprobs,
                             int(out.token_ids[r]))

@@ -26,6 +26,8 @@ _NAMES = ("F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P
  F_REP, F_FREQ, F_PRES, NUM_FIELDS, FLAG_GREEDY, FLAG_TOPK, FLAG_TOPP, FLAG_MINP, NUM_PLANES, NUM_STATS, NUM_STATE,
  NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in _NAMES)
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
+SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
+TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (about 300 on random logits)
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
@@ -273,11 +275,13 @@ class SamplingOutput:
 
 
 def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = None, *, block: int = 1024,
-                chunk: int = 8192):
+                chunk: int | None = None, warps: int = 4):
     """Sample one token per row of ``batch`` from ``logits`` ``[N, V]`` (float32 or bfloat16, rows contiguous; a
     CUDA tensor, or a CPU one under ``TRITON_INTERPRET=1``; torch or Paddle). ``counts``: the penalties' device
     counts the batch's slots index (each sampled token is counted there). ``chunk`` logits per program of the
-    (row, chunk) passes (a multiple of ``block``). Returns a :class:`SamplingOutput` on the host."""
+    (row, chunk) passes (a multiple of ``block``; by default 32,768 when that still gives every multiprocessor two
+    programs, else 8,192: fewer, longer programs stream faster, more programs keep a small batch's latency low),
+    ``warps`` per program of those passes. Returns a :class:`SamplingOutput` on the host."""
     ops = launch.ops_for(logits, "logits")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {list(logits.shape)}")
@@ -286,6 +290,9 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {_dtype_name(logits)}")
     if int(logits.stride()[1] if callable(getattr(logits, "stride", None)) else 1) != 1:
         raise ValueError("logits rows must be contiguous")
+    if chunk is None:
+        sms = ops.num_sms(logits)
+        chunk = LONG_CHUNK if sms and len(batch.params) * -(-vocab // LONG_CHUNK) >= 2 * sms else SHORT_CHUNK
     if chunk % block or block % 4:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block}), block of 4")
     params = batch.params
@@ -309,7 +316,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if (slots >= 0).any() and (counts is None or counts.vocab != vocab or slots.max() >= counts.capacity):
         raise ValueError("counts: rows with penalties need the PenaltyCounts of this vocabulary their slots index")
     stride_l = _row_stride(logits)
-    dev_params = ops.from_host(params, logits)
+    # The rows' tickets (zero) ride on the parameters' upload.
+    dev_params = ops.from_host(np.concatenate([params.ravel(), np.zeros(n, np.int32)]), logits)
     dummy_f = ops.empty([1], "float32", logits)
     chunks = -(-vocab // chunk)
     work, stride_w = dummy_f, 0
@@ -325,8 +333,10 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         bitmask, stride_m = ops.from_host(batch.bitmask, logits), batch.bitmask.shape[1]
     table, stride_c = (counts.table, counts.vocab) if counts is not None else (dev_params, 0)
     cp = max(2, 1 << (chunks - 1).bit_length())
+    cand = min(TOP_CANDIDATES, 1 << (chunk - 1).bit_length())
     part = ops.empty([NUM_PLANES * n * chunks], "float32", logits)
     tops = ops.empty([n * chunks * MAX_LOGPROBS if tops_on else 1], "int64", logits)
+    cands = ops.empty([n * chunks * cand if tops_on else 1], "int64", logits)
     stats = ops.empty([NUM_STATS * n], "float32", logits)
     state = ops.empty([n * NUM_STATE], "int64", logits)
     hcnt = ops.empty([n * NUM_BUCKETS], "int32", logits)
@@ -335,25 +345,21 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     iters = chunk // block
     grid = (n, chunks)
-    ops.launch(tk._stats_kernel, grid, values + [part, tops, vocab, chunks], BLOCK=block, ITERS=iters,
-               KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=8)
-    ops.launch(tk._combine_kernel, (n,), [dev_params, part, stats, state, hcnt, hmass, chunks], CP=cp,
-               NB=NUM_BUCKETS, num_warps=4)
+    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, stats, state, hcnt, hmass, out, vocab, chunks],
+               CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, CAND=cand,
+               num_warps=warps)
     flags = params[:, F_FLAGS]
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold
     searching = (flags & (FLAG_TOPK | FLAG_TOPP)) != 0
     for _ in range(ROUNDS_PER_SEARCH * (2 if both.any() else 1) if searching.any() else 0):
         ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab], NB=NUM_BUCKETS, BLOCK=block,
-                   ITERS=iters, num_warps=8)
-        ops.launch(tk._select_kernel, (n,), [dev_params, state, hcnt, hmass], NB=NUM_BUCKETS, num_warps=4)
+                   ITERS=iters, num_warps=warps)
     if (flags & FLAG_TOPP).any():
         ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks], BLOCK=block, ITERS=iters,
-                   num_warps=8)
+                   num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
-        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, vocab, chunks], CP=cp, BLOCK=block,
-                   ITERS=iters, num_warps=8)
-    ops.launch(tk._finish_kernel, (n,), [logits, stride_l, table, stride_c, dev_params, part, stats, tops, out,
-                                         vocab, chunks], CP=cp, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=4)
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks], CP=cp,
+                   BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)

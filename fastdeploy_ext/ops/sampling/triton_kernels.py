@@ -1,20 +1,22 @@
 """Triton kernels of the device sampler (README.md has the math). Framework-neutral: pointers and strides only.
 
-Every pass over the vocabulary runs as (row, chunk) programs; the per-row steps between them read only per-chunk
-partials or a row's histogram. A step runs:
+Every pass over the vocabulary runs as (row, chunk) programs; the per-row steps between them run in the row's last
+program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch per pass:
 
 - ``_modify_kernel`` (working row, chunk): rows with ``logit_bias`` or banned ids get a float32 working copy with
   those entries changed.
-- ``_stats_kernel`` (row, chunk): maximum, arg-max, sums of exponentials of the sampled and the raw row, allowed
-  count, NaN flag, the chunk's top raw logits for logprobs, and for rows without filters the Gumbel-max draw itself.
-- ``_combine_kernel`` (row): the chunks combined; the threshold search's state set up.
-- ``_hist_kernel`` (row, chunk) then ``_select_kernel`` (row), at most three rounds per filter: a count and a
-  fixed-point mass histogram over the float32 bit patterns of ``e = exp(s - max)`` in the current key range, then
-  the bucket where top-k's count or top-p's mass is reached, which becomes the next round's range (radix select).
+- ``_stats_kernel`` (row, chunk): maximum, arg-max, the raw row's sum of exponentials, allowed count, NaN flag,
+  candidates for the chunk's top raw logits (logprobs), and for rows without filters the Gumbel-max draw itself.
+  The row's last program combines the chunks (``_combine_row``: sets up the threshold search) and finishes rows
+  that need no further pass (``_finish_row``).
+- ``_hist_kernel`` (row, chunk), at most three rounds per filter: a count and a fixed-point mass histogram over the
+  float32 bit patterns of ``e = exp(s - max)`` in the current key range; the row's last program finds the bucket
+  where top-k's count or top-p's mass is reached, which becomes the next round's range (``_select_row``: radix
+  select).
 - ``_ties_kernel`` (row, chunk): per chunk, the tokens equal to a top-p threshold that only some of them pass.
-- ``_draw_kernel`` (row, chunk): Gumbel-max over the kept tokens, Philox uniforms keyed by (seed, position, token).
-- ``_finish_kernel`` (row): the token, its error code, logprob and top logprobs in one int32 row, and the sampled
-  token counted in the request's device counts.
+- ``_draw_kernel`` (row, chunk): Gumbel-max over the kept tokens, Philox uniforms keyed by (seed, position, token);
+  the row's last program takes the best chunk and finishes the row: the token, its error code, logprob and top
+  logprobs in one int32 row, and the sampled token counted in the request's device counts.
 
 ``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
 """
@@ -22,8 +24,8 @@ partials or a row's histogram. A step runs:
 import triton
 import triton.language as tl
 
-# Per-row parameters, one int32 row each (floats stored as their bit patterns). Globals a kernel reads must be
-# constexpr; the launcher takes their int values.
+# Per-row parameters, one int32 row each (floats stored as their bit patterns), followed by one int32 ticket per
+# row (zero between passes). Globals a kernel reads must be constexpr; the launcher takes their int values.
 (F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
  F_REP, F_FREQ, F_PRES) = (tl.constexpr(i) for i in range(16))
 NUM_FIELDS = tl.constexpr(16)
@@ -33,9 +35,9 @@ FLAG_TOPP = tl.constexpr(4)
 FLAG_MINP = tl.constexpr(8)
 FILTERS = tl.constexpr(15)  # greedy or any filter: the draw is not fused into the stats pass
 # Partials per (row, chunk), float32 planes (ints as bits).
-P_MAX, P_SUM, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES = (tl.constexpr(i) for i in range(10))
-NUM_PLANES = tl.constexpr(10)
-# Per-row results of _combine_kernel, float32 planes (ints as bits).
+P_MAX, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES = (tl.constexpr(i) for i in range(9))
+NUM_PLANES = tl.constexpr(9)
+# Per-row results of _combine_row, float32 planes (ints as bits).
 S_M, S_LSE, S_TOK, S_ERR = (tl.constexpr(i) for i in range(4))
 NUM_STATS = tl.constexpr(4)
 # The threshold search's per-row state, int64.
@@ -136,8 +138,69 @@ def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries,
 
 
 @triton.jit
-def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, V, C,
-                  BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr):
+def _last_of_row(prm, r):
+    """Whether this program is the last of row ``r``'s (row, chunk) programs to get here; the last one resets the
+    row's ticket for the next pass. The barrier orders every thread's stores before the ticket (an acq_rel atomic)
+    that publishes them, so the last program reads the others' partials."""
+    tl.debug_barrier()
+    tick = prm + tl.num_programs(0) * NUM_FIELDS + r
+    last = tl.atomic_add(tick, 1) == tl.num_programs(1) - 1
+    if last:
+        tl.store(tick, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _packed(raw, offs, V):
+    """Largest raw logit first, ties to the lower id: the order-preserving int32 of the float above (BIG - id) in
+    one int64; the smallest int64 past V."""
+    bits = raw.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    packed = (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64)
+    return tl.where(offs < V, packed, -9223372036854775807 - 1)
+
+
+@triton.jit
+def _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                KP: tl.constexpr, CAND: tl.constexpr):
+    """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest packed value
+    the stats pass saw there. Grouped into KP sets of positions, their maxima are KP distinct tokens, so the smallest
+    of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on random logits) are
+    gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
+    thr = tl.min(tl.max(tl.reshape(lanes, [BLOCK // KP, KP]), 0), 0)
+    scr = cands + (r * C + c).to(tl.int64) * CAND
+    n = 0
+    for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+        offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        packed = _packed(raw, offs, V)
+        keep = (packed >= thr) & (offs < V)
+        at = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(scr + at, packed, mask=keep & (at < CAND))
+        n += tl.sum(keep.to(tl.int32), 0)
+    tl.debug_barrier()  # the candidates stored by every thread, before they are read back
+    if n <= CAND:
+        j = tl.arange(0, CAND)
+        run = tl.topk(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
+    else:
+        # More candidates than room (many equal logits): merge the chunk's blocks exactly.
+        run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
+                          other=float("-inf")).to(tl.float32)
+            run = tl.topk(tl.reshape(tl.join(run, tl.topk(_packed(raw, offs, V), KP)), [2 * KP]), KP)
+    tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
+
+
+@triton.jit
+def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, cands,
+                  stats, state, hcnt, hmass, out, V, C, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                  ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr):
+    """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``) and finishes rows
+    that need no further pass. The running statistics are kept per lane (one per element of a block) and reduced
+    once at the end of the chunk; only rows with logprobs reduce each block (the raw row's maximum)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -147,17 +210,16 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
     k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
     pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-    m_run = float("-inf")
-    s_run = 0.0
+    lmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    larg = tl.full([BLOCK], BIG, tl.int32)
+    lcnt = tl.zeros([BLOCK], tl.int32)
+    lnan = tl.zeros([BLOCK], tl.int32)
     rm_run = float("-inf")
-    rs_run = 0.0
-    arg = BIG
-    nan = 0
-    cnt = 0
-    best = float("-inf")
-    bid = BIG
+    lrsum = tl.zeros([BLOCK], tl.float32)
+    lbest = tl.full([BLOCK], float("-inf"), tl.float32)
+    lbid = tl.full([BLOCK], BIG, tl.int32)
     if TOPS:
-        run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+        lanes = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
     for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
@@ -167,88 +229,82 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         if wrow >= 0:
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
                           other=float("-inf")).to(tl.float32)
-        nan = tl.maximum(nan, tl.max((raw != raw).to(tl.int32), 0))
+        lnan = lnan | (raw != raw).to(tl.int32)
         allowed = s > float("-inf")
-        cnt += tl.sum(allowed.to(tl.int32), 0)
-        bm = tl.max(s, 0)
-        barg = tl.min(tl.where(s == bm, offs, BIG), 0)
-        arg = tl.where(bm > m_run, barg, arg)
-        new_m = tl.maximum(m_run, bm)
-        s_run = tl.where(new_m > float("-inf"), s_run * tl.exp(m_run - new_m) + tl.sum(tl.exp(s - new_m), 0), 0.0)
-        m_run = new_m
+        lcnt += allowed.to(tl.int32)
+        up = s > lmax  # strictly: a lane keeps its first (lowest) id among equal values
+        larg = tl.where(up, offs, larg)
+        lmax = tl.where(up, s, lmax)
         if nlp >= 0:
-            rbm = tl.max(raw, 0)
-            new_rm = tl.maximum(rm_run, rbm)
-            rs_run = tl.where(new_rm > float("-inf"),
-                              rs_run * tl.exp(rm_run - new_rm) + tl.sum(tl.exp(raw - new_rm), 0), 0.0)
+            new_rm = tl.maximum(rm_run, tl.max(raw, 0))
+            scale = tl.where(new_rm > float("-inf"), tl.exp(rm_run - new_rm), 0.0)
+            lrsum = lrsum * scale + tl.where(new_rm > float("-inf"), tl.exp(raw - new_rm), 0.0)
             rm_run = new_rm
         if fused:
             # No filter: the Gumbel-max draw needs no row statistic, so it rides on this pass.
             score = tl.where(allowed, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
-            sbm = tl.max(score, 0)
-            sid = tl.min(tl.where(score == sbm, offs, BIG), 0)
-            bid = tl.where(sbm > best, sid, bid)
-            best = tl.maximum(best, sbm)
+            up = score > lbest
+            lbid = tl.where(up, offs, lbid)
+            lbest = tl.where(up, score, lbest)
         if TOPS:
             if nlp > 0:
-                # Largest raw logit first, ties to the lower id: the order-preserving int32 of the float above
-                # (BIG - id) in one int64.
-                bits = raw.to(tl.int32, bitcast=True)
-                key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                packed = (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64)
-                packed = tl.where(offs < V, packed, -9223372036854775807 - 1)
-                if tl.max(packed, 0) > tl.min(run, 0):  # most blocks hold nothing above the running top KP
-                    run = tl.topk(tl.reshape(tl.join(run, tl.topk(packed, KP)), [2 * KP]), KP)
+                lanes = tl.maximum(lanes, _packed(raw, offs, V))
+    m = tl.max(lmax, 0)
+    arg = tl.min(tl.where(lmax == m, larg, BIG), 0)
+    best = tl.max(lbest, 0)
+    bid = tl.min(tl.where(lbest == best, lbid, BIG), 0)
     base = part + r * C + c
     plane = tl.num_programs(0) * C
-    tl.store(base + P_MAX * plane, m_run)
-    tl.store(base + P_SUM * plane, s_run)
+    tl.store(base + P_MAX * plane, m)
     tl.store(base + P_RMAX * plane, rm_run)
-    tl.store(base + P_RSUM * plane, rs_run)
+    tl.store(base + P_RSUM * plane, tl.sum(lrsum, 0))
     tl.store(base + P_ARG * plane, arg.to(tl.float32, bitcast=True))
-    tl.store(base + P_NAN * plane, nan.to(tl.float32, bitcast=True))
-    tl.store(base + P_CNT * plane, cnt.to(tl.float32, bitcast=True))
+    tl.store(base + P_NAN * plane, tl.max(lnan, 0).to(tl.float32, bitcast=True))
+    tl.store(base + P_CNT * plane, tl.sum(lcnt, 0).to(tl.float32, bitcast=True))
     tl.store(base + P_BEST * plane, best)
     tl.store(base + P_BID * plane, bid.to(tl.float32, bitcast=True))
     if TOPS:
         if nlp > 0:
-            tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
+            _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK, ITERS, KP, CAND)
+    if _last_of_row(prm, r):
+        token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB)
+        flags = tl.load(p + F_FLAGS)
+        if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0):
+            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, C, KP, TOPS)
 
 
 @triton.jit
-def _combine_kernel(prm, part, stats, state, hcnt, hmass, C, CP: tl.constexpr, NB: tl.constexpr):
-    """Per row: the chunks' partials combined (max, log-sum-exp of the raw row, arg-max, errors, the fused draw's
-    token), the row's histograms zeroed and its threshold search set up."""
-    r = tl.program_id(0)
+def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, NB: tl.constexpr):
+    """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors, the fused draw's token);
+    the row's histograms zeroed and its threshold search set up. Returns (token, error code, log-sum-exp)."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
     cm = cs < C
     base = part + r * C + cs
-    pm = tl.load(base + P_MAX * plane, mask=cm, other=float("-inf"))
+    pm = tl.load(base + P_MAX * plane, mask=cm, other=float("-inf"), cache_modifier=".cg")
     m = tl.max(pm, 0)
-    pa = tl.load(base + P_ARG * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True)
+    pa = tl.load(base + P_ARG * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
     arg = tl.min(tl.where((pm == m) & cm, pa, BIG), 0)
-    p_rmax = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"))
+    p_rmax = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"), cache_modifier=".cg")
     rm = tl.max(p_rmax, 0)
-    p_rsum = tl.load(base + P_RSUM * plane, mask=cm, other=0.0)
+    p_rsum = tl.load(base + P_RSUM * plane, mask=cm, other=0.0, cache_modifier=".cg")
     lse = rm + tl.log(tl.sum(tl.where(p_rmax > float("-inf"), p_rsum * tl.exp(p_rmax - rm), 0.0), 0))
-    nan = tl.max(tl.load(base + P_NAN * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True), 0)
-    allowed = tl.sum(tl.load(base + P_CNT * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True), 0)
+    nan = tl.max(tl.load(base + P_NAN * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True),
+                 0)
+    allowed = tl.sum(tl.load(base + P_CNT * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32,
+                                                                                              bitcast=True), 0)
     err = tl.where(nan > 0, ERR_NAN, tl.where(m == float("-inf"), ERR_NONE_ALLOWED, 0))
     flags = tl.load(prm + r * NUM_FIELDS + F_FLAGS)
     token = arg
     if (flags & FILTERS) == 0:
-        pb = tl.load(base + P_BEST * plane, mask=cm, other=float("-inf"))
-        pi = tl.load(base + P_BID * plane, mask=cm, other=0.0).to(tl.int32, bitcast=True)
+        pb = tl.load(base + P_BEST * plane, mask=cm, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(base + P_BID * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
         token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
     tl.store(stats + S_M * R + r, m)
     tl.store(stats + S_LSE * R + r, lse)
     tl.store(stats + S_TOK * R + r, token.to(tl.float32, bitcast=True))
     tl.store(stats + S_ERR * R + r, err.to(tl.float32, bitcast=True))
-    j = tl.arange(0, NB)
-    tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
-    tl.store(hmass + r * NB + j, tl.zeros([NB], tl.int64))
     top_k = tl.load(prm + r * NUM_FIELDS + F_TOP_K)
     phase = tl.full([], PHASE_DONE, tl.int64)
     target = tl.zeros([], tl.int64)
@@ -259,6 +315,10 @@ def _combine_kernel(prm, part, stats, state, hcnt, hmass, C, CP: tl.constexpr, N
         elif (flags & FLAG_TOPP) != 0:
             phase = tl.full([], PHASE_P, tl.int64)
             target = tl.full([], -1, tl.int64)  # top_p of the mass that the first round's histogram totals
+    if phase != PHASE_DONE:
+        j = tl.arange(0, NB)
+        tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
+        tl.store(hmass + r * NB + j, tl.zeros([NB], tl.int64))
     st = state + r * NUM_STATE
     tl.store(st + ST_PHASE, phase)
     tl.store(st + ST_LO, tl.zeros([], tl.int64))
@@ -270,6 +330,7 @@ def _combine_kernel(prm, part, stats, state, hcnt, hmass, C, CP: tl.constexpr, N
     tl.store(st + ST_TARGET, target)
     tl.store(st + ST_THR, tl.zeros([], tl.int64))
     tl.store(st + ST_NEED, tl.full([], -1, tl.int64))
+    return token, err, lse
 
 
 @triton.jit
@@ -297,22 +358,24 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             key = e.to(tl.int32, bitcast=True)
             inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
             b = r * NB + ((key - lo) >> shift)
-            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr)
-            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr)
+            # Relaxed: the row's ticket below orders these adds before its last program reads the sums.
+            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr, sem="relaxed")
+            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr, sem="relaxed")
+        if _last_of_row(prm, r):
+            _select_row(prm, state, hcnt, hmass, r, NB)
 
 
 @triton.jit
-def _select_kernel(prm, state, hcnt, hmass, NB: tl.constexpr):
-    """Per row after a round: the bucket where the count of top-k (target k) or the mass of top-p (target
+def _select_row(prm, state, hcnt, hmass, r, NB: tl.constexpr):
+    """Row ``r`` after a round: the bucket where the count of top-k (target k) or the mass of top-p (target
     ``ceil(top_p * mass)``) is reached from the top. A bucket that is one key, holds one token, or (top-k) ends
     exactly at k settles the threshold; otherwise it is the next round's range. The histograms are zeroed for it."""
-    r = tl.program_id(0)
     st = state + r * NUM_STATE
     phase = tl.load(st + ST_PHASE)
     if phase != PHASE_DONE:
         j = tl.arange(0, NB)
-        hc = tl.load(hcnt + r * NB + j).to(tl.int64)
-        hm = tl.load(hmass + r * NB + j)
+        hc = tl.load(hcnt + r * NB + j, cache_modifier=".cg").to(tl.int64)
+        hm = tl.load(hmass + r * NB + j, cache_modifier=".cg")
         tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
         tl.store(hmass + r * NB + j, tl.zeros([NB], tl.int64))
         lo = tl.load(st + ST_LO)
@@ -398,10 +461,12 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
 
 
 @triton.jit
-def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, V,
-                 C, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, tops,
+                 out, V, C, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
+                 TOPS: tl.constexpr):
     """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
-    the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id)."""
+    the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id). The row's last
+    program takes the best chunk and finishes the row."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     R = tl.num_programs(0)
@@ -446,26 +511,23 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         plane = R * C
         tl.store(part + P_BEST * plane + r * C + c, best)
         tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
+        if _last_of_row(prm, r):
+            cs = tl.arange(0, CP)
+            cm = cs < C
+            pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
+            pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
+                         cache_modifier=".cg").to(tl.int32, bitcast=True)
+            token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
+                        tl.load(stats + S_LSE * R + r), C, KP, TOPS)
 
 
 @triton.jit
-def _finish_kernel(logits, stride_l, counts, stride_c, prm, part, stats, tops, out, V, C, CP: tl.constexpr,
-                   KP: tl.constexpr, TOPS: tl.constexpr):
-    """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits);
-    the token counted (+2) in the row's counts."""
-    r = tl.program_id(0)
-    R = tl.num_programs(0)
+def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, C, KP: tl.constexpr,
+                TOPS: tl.constexpr):
+    """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)
+    merged from the chunks' lists; the token counted (+2) in the row's counts."""
     p = prm + r * NUM_FIELDS
-    flags = tl.load(p + F_FLAGS)
-    err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
-    token = tl.load(stats + S_TOK * R + r).to(tl.int32, bitcast=True)
-    if ((flags & FILTERS) != 0) & ((flags & FLAG_GREEDY) == 0) & (err == 0):
-        cs = tl.arange(0, CP)
-        cm = cs < C
-        plane = R * C
-        pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"))
-        pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0).to(tl.int32, bitcast=True)
-        token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
     token = tl.where(err == 0, token, 0)
     o = out + r * (3 + 2 * KP)
     tl.store(o, token)
@@ -476,14 +538,13 @@ def _finish_kernel(logits, stride_l, counts, stride_c, prm, part, stats, tops, o
     nlp = tl.load(p + F_NLP)
     if (nlp >= 0) & (err == 0):
         row = tl.load(p + F_ROW)
-        lse = tl.load(stats + S_LSE * R + r)
         x = tl.load(logits + row.to(tl.int64) * stride_l + token).to(tl.float32)
         tl.store(o + 2, (x - lse).to(tl.int32, bitcast=True))
         if TOPS:
             if nlp > 0:
                 run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
                 for c in range(C):
-                    part_top = tl.load(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP))
+                    part_top = tl.load(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), cache_modifier=".cg")
                     run = tl.topk(tl.reshape(tl.join(run, part_top), [2 * KP]), KP)
                 key = (run >> 32).to(tl.int32)
                 ids = -(run & 0xFFFFFFFF).to(tl.int32) + BIG

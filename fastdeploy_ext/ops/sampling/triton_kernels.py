@@ -350,6 +350,12 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         shift = tl.load(st + ST_SHIFT).to(tl.int32)
         floor = tl.load(st + ST_FLOOR).to(tl.int32)
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        # The first round adds every allowed token, and atomics are most of its time: top-p's first round needs only
+        # masses, top-k's only counts (and masses when top-p follows it, for the kept mass). Above top-k's threshold
+        # (floor > 0) few tokens take part, and their counts let a bucket of one token settle the search early.
+        phase = tl.load(st + ST_PHASE)
+        counted = (phase == PHASE_K) | (shift != SHIFT1) | (floor > 0)
+        weighed = (phase == PHASE_P) | ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0)
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
@@ -359,8 +365,8 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
             b = r * NB + ((key - lo) >> shift)
             # Relaxed: the row's ticket below orders these adds before its last program reads the sums.
-            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr, sem="relaxed")
-            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr, sem="relaxed")
+            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr & counted, sem="relaxed")
+            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr & weighed, sem="relaxed")
         if _last_of_row(prm, r):
             _select_row(prm, state, hcnt, hmass, r, NB)
 
@@ -401,7 +407,8 @@ def _select_row(prm, state, hcnt, hmass, r, NB: tl.constexpr):
         bstart = lo + (tl.maximum(b, 0).to(tl.int64) << shift)
         blo = tl.maximum(bstart, floor)
         need = tl.full([], -1, tl.int64)
-        settled = (b < 0) | (shift == 0) | (bc == 1)
+        # top-p's first round counts nothing unless above a floor (_hist_kernel): there a bucket's count is unknown.
+        settled = (b < 0) | (shift == 0) | ((bc == 1) & (is_k | (shift != SHIFT1) | (floor > 0)))
         if is_k:
             settled = settled | (acnt + bc == target)
         else:
@@ -503,11 +510,12 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
                 keep = keep & ((key > thr) | (rank < need))
                 seen += tl.sum(tie.to(tl.int32), 0)
-            score = tl.where(keep, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
-            bm = tl.max(score, 0)
-            bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
-            bid = tl.where(bm > best, bidx, bid)
-            best = tl.maximum(best, bm)
+            if tl.max(keep.to(tl.int32), 0) > 0:  # a filtered row keeps few blocks: the others skip the noise
+                score = tl.where(keep, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
+                bm = tl.max(score, 0)
+                bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
+                bid = tl.where(bm > best, bidx, bid)
+                best = tl.maximum(best, bm)
         plane = R * C
         tl.store(part + P_BEST * plane + r * C + c, best)
         tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))

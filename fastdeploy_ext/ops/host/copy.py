@@ -62,6 +62,9 @@ def assign_host(param, value, index=None) -> bool:
     if index is None and value.dtype == target.dtype and value.flags.c_contiguous and _private_file_view(value):
         # The whole parameter, as the file stores it (an embedding table): the parameter takes the mapped pages
         # themselves (copy-on-write, so a write never reaches the file) instead of a copy into fresh memory.
+        # Where the page cache lies decides how fast a decode step's tied LM head streams them: on the 2-core
+        # Xeon one checkpoint's table at 24 GB/s, another's at 16 while a fresh copy of its bytes ran at 24; that
+        # copy cost 0.66-0.85 s of a ~1.2 s load (docs/benchmarks.md).
         dlpack.from_dlpack(value)._share_buffer_to(param)
         return True
     copy_into(target, value)

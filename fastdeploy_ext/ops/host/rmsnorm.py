@@ -21,7 +21,7 @@ def rms_norm_residual(x, weight, eps: float, residual=None):
     the next host op reads them without a DLPack round trip. In a Qwen2-0.5B decode step each of the 49 norms runs
     right after a weight-streaming product, where every first call into Paddle or NumPy code is slow: a new DLPack
     view of the weight cost ~37 us (its kept view, ``param_view``, ~12), Paddle's ``x.shape`` ~9 (the view's:
-    none), and the norms took ~3.3 ms of the step, ~68 us each (2-core Xeon; docs/benchmarks.md)."""
+    none), and the norms took 3.3-4.4 ms of the step, 68-90 us each (2-core Xeon; docs/benchmarks.md)."""
     x_view = host_view(x)
     shape = x_view.shape
     xh = x_view.reshape(-1, shape[-1])

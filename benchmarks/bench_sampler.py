@@ -359,7 +359,7 @@ def profile_device(args):
     print("host pieces (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in pieces.items()), flush=True)
     configs = [(None, 1024, 4)]  # sample_rows' defaults
     if args.sweep:
-        configs += [(c, b, w) for c in (8192, 32768, 65536) for b in (1024, 2048) for w in (4, 8)]
+        configs += [(c, b, w) for c in (8192, 32768, 65536) for b in (512, 1024) for w in (4, 8)]
     cases = []
     for vocab in args.vocab:
         for rows in args.rows:

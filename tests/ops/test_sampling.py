@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 
 from fastdeploy_ext import SamplingParams  # noqa: E402
 from fastdeploy_ext.engine.sampler import DeviceRow, DeviceSampler, SampleRow, log_softmax, top_logprobs  # noqa: E402
-from fastdeploy_ext.ops.sampling import filtered_probs, philox_uniform, reference_sample  # noqa: E402
+from fastdeploy_ext.ops.sampling import (filtered_probs, philox_uniform, reference_sample,  # noqa: E402
+                                         reference_tokens)
 from fastdeploy_ext.ops.sampling.launcher import has_penalties  # noqa: E402
 from fastdeploy_ext.ops.sampling.reference import gumbel  # noqa: E402
 from tests.engine.test_sampler_batched import exact_distribution, frequency_failures, pack  # noqa: E402
@@ -95,7 +96,9 @@ def mixed_batch(rng, vocab):
     return np.stack(rows), specs, (np.stack(masks) if masks else None)
 
 
-@pytest.mark.parametrize("vocab,block,chunk", [(1, 4, 4), (17, 4, 8), (255, 16, 64), (257, 16, 64), (1000, 64, 256)])
+# Above 8,192 tokens the two-level draw picks a group first: groups of four chunks (20,000) and chunks of two groups.
+@pytest.mark.parametrize("vocab,block,chunk", [(1, 4, 4), (17, 4, 8), (255, 16, 64), (257, 16, 64), (1000, 64, 256),
+                                               (20000, 256, 2048), (17000, 1024, 16384)])
 def test_kernel_tokens_equal_the_reference_draws(vocab, block, chunk):
     rng = np.random.default_rng(vocab)
     logits, specs, allowed = mixed_batch(rng, vocab)
@@ -158,8 +161,9 @@ def case_input(name):
     return params, allowed, x, exact_distribution(LOGITS, params, PROMPT, OUTPUT, (), allowed)
 
 
-def reference_tokens(x, params, seed, positions, perturb=gumbel, p=None):
-    """The reference's tokens at ``positions`` of one request."""
+def perturbed_tokens(x, params, seed, positions, perturb=gumbel, p=None):
+    """Tokens at ``positions`` of one request by arg-max of ``log p`` plus ``perturb`` of the kernels' uniforms
+    (stream 0): with a wrong perturbation or a wrong ``p``, the frequency check must fail."""
     if p is None:
         p = filtered_probs(x, params.temperature, params.top_k, params.top_p, params.min_p)
     ids = np.arange(x.size, dtype=np.uint64)
@@ -186,18 +190,21 @@ def check_case(name):
     exact distribution (penalties from device counts, several chunks per row)."""
     params, allowed, x, want = case_input(name)
     assert np.abs(filtered_probs(x, params.temperature, params.top_k, params.top_p, params.min_p) - want).max() < 1e-12
-    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS)), minlength=LOGITS.size)
+    p = params
+    counts = np.bincount(reference_tokens(x, p.temperature, p.top_k, p.top_p, p.min_p, 12345, np.arange(DRAWS)),
+                         minlength=LOGITS.size)
     assert frequency_failures(counts, want) == []
     specs = [SampleRow(params, list(PROMPT), list(OUTPUT), None, [], None if allowed is None else 0, seed=12345,
                        position=i) for i in range(POSITIONS)]
     out = run(np.tile(LOGITS, (POSITIONS, 1)), specs, None if allowed is None else pack(allowed), block=8, chunk=8)
-    assert out.token_ids.tolist() == reference_tokens(x, params, 12345, np.arange(POSITIONS)).tolist()
+    want_tokens = reference_tokens(x, p.temperature, p.top_k, p.top_p, p.min_p, 12345, np.arange(POSITIONS))
+    assert out.token_ids.tolist() == want_tokens.tolist()
 
 
 def test_a_wrong_perturbation_fails_the_check():
     """-log(u) (an exponential, not a Gumbel) biases the draws towards the likely tokens: rejected."""
     params, _, x, want = case_input("temperature 0.7")
-    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS), perturb=lambda u: -np.log(u)),
+    counts = np.bincount(perturbed_tokens(x, params, 12345, np.arange(DRAWS), perturb=lambda u: -np.log(u)),
                          minlength=LOGITS.size)
     assert frequency_failures(counts, want) != []
 
@@ -209,7 +216,7 @@ def test_a_wrong_tie_rule_fails_the_check():
     wrong = np.exp(x - x.max())
     wrong[want == 0] = 0
     wrong[14] = wrong[7]
-    counts = np.bincount(reference_tokens(x, params, 12345, np.arange(DRAWS), p=wrong / wrong.sum()),
+    counts = np.bincount(perturbed_tokens(x, params, 12345, np.arange(DRAWS), p=wrong / wrong.sum()),
                          minlength=LOGITS.size)
     assert want[14] == 0 and frequency_failures(counts, want) != []
 
@@ -225,6 +232,38 @@ def test_kernel_frequencies_follow_the_exact_distribution():
     out = run(np.tile(LOGITS, (draws, 1)), specs, pack(allowed), block=8, chunk=8)
     want = exact_distribution(LOGITS, params, [3], [5, 5], [], allowed)
     assert frequency_failures(np.bincount(out.token_ids, minlength=LOGITS.size), want) == []
+
+
+def test_rejected_candidates_fall_back_to_the_search(monkeypatch):
+    """Temperature 3, top_p 0.3 keeps four tokens of 17 (the top one and the first by id of three tied at 1.5, ...)
+    from a flat distribution, so some positions reject every candidate and run the threshold search (cutting inside
+    the tie) and the draw after them: the kernels' tokens equal the reference's, and testing one candidate more
+    instead changes some of the reference's tokens (the fallback ran)."""
+    from fastdeploy_ext.ops.sampling import reference
+
+    params = SamplingParams(temperature=3.0, top_p=0.3, min_p=0.01)
+    x = LOGITS.astype(np.float64)
+    positions = np.arange(2 * POSITIONS)
+    want = reference_tokens(x, 3.0, 0, 0.3, 0.01, 4242, positions)
+    specs = [SampleRow(params, seed=4242, position=i) for i in positions]
+    out = run(np.tile(LOGITS, (positions.size, 1)), specs, block=8, chunk=8)
+    assert out.token_ids.tolist() == want.tolist()
+    monkeypatch.setattr(reference, "CANDIDATES", reference.CANDIDATES + 1)
+    assert (reference_tokens(x, 3.0, 0, 0.3, 0.01, 4242, positions) != want).any()
+
+
+def test_fallback_after_rejections_on_shorter_chunks():
+    """20,000 flat logits, top_p 0.1 (half of the rows fall back): the first rank round runs on the call's chunks of
+    16,384, the later ones and the fallback's search and draw on chunks of 8,192 (three groups of the two-level
+    draw); tokens as the reference's."""
+    rng = np.random.default_rng(31)
+    vocab, rows = 20000, 8
+    x = (rng.standard_normal((rows, vocab)) * 0.5).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.1)
+    specs = [SampleRow(params, seed=77 + r, position=r) for r in range(rows)]
+    out = run(x, specs, block=1024, chunk=16384)
+    want = [reference_sample(x[r].astype(np.float64), 1.0, 0, 0.1, 0.0, 77 + r, r) for r in range(rows)]
+    assert out.token_ids.tolist() == want
 
 
 def test_device_counts_follow_the_outputs_across_steps():

@@ -1,7 +1,7 @@
 """The device sampler: ``sample_rows`` (Triton, torch or Paddle tensors) over a step's ``SamplingBatch``, and its
 float64 NumPy definition in ``reference``. README.md has the math, the random numbers and the layout."""
 
-from fastdeploy_ext.ops.sampling.reference import filtered_probs, philox_uniform, reference_sample
+from fastdeploy_ext.ops.sampling.reference import filtered_probs, philox_uniform, reference_sample, reference_tokens
 
 
 def __getattr__(name):
@@ -14,4 +14,4 @@ def __getattr__(name):
 
 
 __all__ = ["MAX_LOGPROBS", "PenaltyCounts", "SamplingBatch", "SamplingOutput", "filtered_probs", "philox_uniform",
-           "reference_sample", "sample_rows"]
+           "reference_sample", "reference_tokens", "sample_rows"]

@@ -14,6 +14,7 @@ import numpy as np
 from fastdeploy_ext.ops import launch
 from fastdeploy_ext.ops.launch import dtype_name as _dtype_name
 from fastdeploy_ext.ops.sampling import triton_kernels as tk
+from fastdeploy_ext.ops.sampling.reference import CANDIDATES, GROUP
 
 __all__ = ["PenaltyCounts", "SamplingBatch", "SamplingOutput", "sample_rows"]
 
@@ -293,8 +294,9 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if chunk is None:
         sms = ops.num_sms(logits)
         chunk = LONG_CHUNK if sms and len(batch.params) * -(-vocab // LONG_CHUNK) >= 2 * sms else SHORT_CHUNK
-    if chunk % block or block % 4:
-        raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block}), block of 4")
+    if chunk % block or block % 4 or (chunk % GROUP and GROUP % chunk) or GROUP % block:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block}), block of 4, and block and chunk "
+                         f"divide the draw's groups of {GROUP} tokens or chunk is a multiple of them")
     params = batch.params
     n = params.shape[0]
     if n == 0:
@@ -332,33 +334,57 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if batch.bitmask is not None:
         bitmask, stride_m = ops.from_host(batch.bitmask, logits), batch.bitmask.shape[1]
     table, stride_c = (counts.table, counts.vocab) if counts is not None else (dev_params, 0)
-    cp = max(2, 1 << (chunks - 1).bit_length())
+    # Rank rounds after the first and a top-p / min-p row's fallback see few rows: shorter chunks, more programs
+    # per row, so that one row's pass does not take a long program's latency.
+    late_chunk = min(chunk, SHORT_CHUNK)
+    late_chunks = -(-vocab // late_chunk)
+    cp = max(2, 1 << (max(chunks, late_chunks) - 1).bit_length())
     cand = min(TOP_CANDIDATES, 1 << (chunk - 1).bit_length())
-    part = ops.empty([NUM_PLANES * n * chunks], "float32", logits)
+    part = ops.empty([NUM_PLANES * n * max(chunks, late_chunks)], "float32", logits)
     tops = ops.empty([n * chunks * MAX_LOGPROBS if tops_on else 1], "int64", logits)
     cands = ops.empty([n * chunks * cand if tops_on else 1], "int64", logits)
     stats = ops.empty([NUM_STATS * n], "float32", logits)
     state = ops.empty([n * NUM_STATE], "int64", logits)
     hcnt = ops.empty([n * NUM_BUCKETS], "int32", logits)
     hmass = ops.empty([n * NUM_BUCKETS], "int64", logits)
+    piece, late_piece = min(chunk, GROUP), min(late_chunk, GROUP)
+    num_pieces, late_pieces = -(-vocab // piece), -(-vocab // late_piece)
+    pieces = ops.empty([2 * n * max(num_pieces, late_pieces)], "float32", logits)
+    ngp = max(4, 1 << (-(-vocab // GROUP) - 1).bit_length())
     out = ops.empty([n, 3 + 2 * MAX_LOGPROBS], "int32", logits)
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
+    flags = params[:, F_FLAGS]
     iters = chunk // block
     grid = (n, chunks)
-    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, stats, state, hcnt, hmass, out, vocab, chunks],
+    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, stats, state, hcnt, hmass, pieces, out, vocab,
+                                                 chunks, num_pieces],
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, CAND=cand,
-               num_warps=warps)
-    flags = params[:, F_FLAGS]
+               PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
+               LSE=bool((params[:, F_NLP] >= 0).any()), num_warps=warps)
+    # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
+    if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
+        for n_cand in range(CANDIDATES):
+            c_n, p_n = (chunk, piece) if n_cand == 0 else (late_chunk, late_piece)
+            np_n = -(-vocab // p_n)
+            ops.launch(tk._rank_kernel, (n, -(-vocab // c_n)),
+                       values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, -(-vocab // c_n), chunks, np_n,
+                                 int(n_cand == CANDIDATES - 1)],
+                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=MAX_LOGPROBS, TOPS=tops_on, PIECE=p_n,
+                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)
+    if not (flags & FLAG_TOPK).any():  # only fallen-back rows search and draw below
+        grid, iters, chunks_d = (n, late_chunks), late_chunk // block, late_chunks
+    else:
+        chunks_d = chunks
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold
     searching = (flags & (FLAG_TOPK | FLAG_TOPP)) != 0
     for _ in range(ROUNDS_PER_SEARCH * (2 if both.any() else 1) if searching.any() else 0):
         ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab], NB=NUM_BUCKETS, BLOCK=block,
                    ITERS=iters, num_warps=warps)
     if (flags & FLAG_TOPP).any():
-        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks], BLOCK=block, ITERS=iters,
+        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks_d], BLOCK=block, ITERS=iters,
                    num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
-        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks], CP=cp,
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks_d, chunks], CP=cp,
                    BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()

@@ -6,10 +6,15 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 - ``_modify_kernel`` (working row, chunk): rows with ``logit_bias`` or banned ids get a float32 working copy with
   those entries changed.
 - ``_stats_kernel`` (row, chunk): maximum, arg-max, the raw row's sum of exponentials, allowed count, NaN flag,
-  candidates for the chunk's top raw logits (logprobs), and for rows without filters the Gumbel-max draw itself.
-  The row's last program combines the chunks (``_combine_row``: sets up the threshold search) and finishes rows
-  that need no further pass (``_finish_row``).
-- ``_hist_kernel`` (row, chunk), at most three rounds per filter: a count and a fixed-point mass histogram over the
+  candidates for the chunk's top raw logits (logprobs), and for rows without top-k each piece's log-mass. The row's
+  last program combines the chunks (``_combine_row``: sets up the threshold search), draws the token of a row
+  without top-k (``_pick_group`` then ``_group_token``: the two-level draw) and finishes rows that need no further
+  pass (``_finish_row``).
+- ``_rank_kernel`` (row, chunk), up to ``CANDIDATES`` rounds: the mass ranked above a top-p / min-p row's
+  candidate; the row's last program keeps the candidate and finishes the row, or draws the next candidate above
+  it, or after the last round hands the row to the threshold search below.
+- ``_hist_kernel`` (row, chunk), at most three rounds per filter (top-k, and top-p after top-k or after the
+  candidates): a count and a fixed-point mass histogram over the
   float32 bit patterns of ``e = exp(s - max)`` in the current key range; the row's last program finds the bucket
   where top-k's count or top-p's mass is reached, which becomes the next round's range (``_select_row``: radix
   select).
@@ -33,7 +38,7 @@ FLAG_GREEDY = tl.constexpr(1)
 FLAG_TOPK = tl.constexpr(2)
 FLAG_TOPP = tl.constexpr(4)
 FLAG_MINP = tl.constexpr(8)
-FILTERS = tl.constexpr(15)  # greedy or any filter: the draw is not fused into the stats pass
+FILTERS = tl.constexpr(15)  # greedy or any filter: the stats pass does not finish the row
 # Partials per (row, chunk), float32 planes (ints as bits).
 P_MAX, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES = (tl.constexpr(i) for i in range(9))
 NUM_PLANES = tl.constexpr(9)
@@ -41,12 +46,15 @@ NUM_PLANES = tl.constexpr(9)
 S_M, S_LSE, S_TOK, S_ERR = (tl.constexpr(i) for i in range(4))
 NUM_STATS = tl.constexpr(4)
 # The threshold search's per-row state, int64.
-ST_PHASE, ST_LO, ST_HI, ST_SHIFT, ST_FLOOR, ST_ACNT, ST_AMASS, ST_TARGET, ST_THR, ST_NEED = (
-    tl.constexpr(i) for i in range(10))
-NUM_STATE = tl.constexpr(10)
+(ST_PHASE, ST_LO, ST_HI, ST_SHIFT, ST_FLOOR, ST_ACNT, ST_AMASS, ST_TARGET, ST_THR, ST_NEED, ST_PEND, ST_CAND,
+ ST_RND, ST_DRAW) = (tl.constexpr(i) for i in range(14))
+NUM_STATE = tl.constexpr(14)
 PHASE_DONE = tl.constexpr(0)
 PHASE_K = tl.constexpr(1)
 PHASE_P = tl.constexpr(2)
+# A top-p / min-p row without top-k whose candidate waits for the rank test.
+PEND_NONE = tl.constexpr(0)
+PEND_TEST = tl.constexpr(1)
 ERR_NAN = tl.constexpr(1)
 ERR_NONE_ALLOWED = tl.constexpr(2)
 ONE_KEY = tl.constexpr(0x3F800000)  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
@@ -55,6 +63,7 @@ BIG = tl.constexpr(2147483647)
 NUM_BUCKETS = tl.constexpr(2048)
 SHIFT1 = tl.constexpr(19)
 SHIFT2 = tl.constexpr(8)
+GROUP = tl.constexpr(8192)  # tokens per group of the two-level draw (reference.GROUP)
 MASS_SCALE = tl.constexpr(1099511627776.0)  # 2^40: e in fixed point; V * 2^40 < 2^63 for V < 2^23
 
 
@@ -98,12 +107,13 @@ def _e(s, m):
 
 
 @triton.jit
-def _gumbel(k0, k1, pos, start, BLOCK: tl.constexpr):
-    """Gumbel noise ``-log(-log u)`` of tokens ``start .. start + BLOCK`` (start a multiple of 4): one Philox call
-    per 4 tokens (counter = token // 4, position), its words 0, 2, 1, 3 on tokens 4q .. 4q + 3."""
+def _gumbel(k0, k1, pos, start, stream, BLOCK: tl.constexpr, space=0):
+    """Gumbel noise ``-log(-log u)`` of tokens (``space`` 0; groups: 1) ``start .. start + BLOCK`` (start a
+    multiple of 4) in draw ``stream``: one Philox call per 4 of them (counter = index // 4, position, stream,
+    space), its words 0, 2, 1, 3 on indices 4q .. 4q + 3."""
     zero = tl.zeros([BLOCK // 4], tl.uint32)
     q = start // 4 + tl.arange(0, BLOCK // 4)
-    w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), zero + pos, zero, zero, k0, k1)
+    w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), zero + pos, zero + stream, zero + space, k0, k1)
     words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK])
     return -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
 
@@ -195,18 +205,34 @@ def _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK: tl
 
 
 @triton.jit
+def _online_lse(v, ok, lmax, lsum):
+    """Per lane, a running maximum of ``v`` where ``ok`` and the sum of ``exp(v - maximum)``: one exponential per
+    value (``exp(-|v - maximum|)`` either scales the sum to a new maximum or is the value's term)."""
+    d = tl.where(ok, v - lmax, 0.0)
+    grow = d > 0
+    e = tl.exp(-tl.abs(d))
+    lsum = tl.where(ok, tl.where(grow, lsum * e + 1.0, lsum + e), lsum)
+    lmax = tl.where(ok & grow, v, lmax)
+    return lmax, lsum
+
+
+@triton.jit
 def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, cands,
-                  stats, state, hcnt, hmass, out, V, C, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                  ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr):
-    """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``) and finishes rows
-    that need no further pass. The running statistics are kept per lane (one per element of a block) and reduced
-    once at the end of the chunk; only rows with logprobs reduce each block (the raw row's maximum)."""
+                  stats, state, hcnt, hmass, pieces, out, V, C, NP, CP: tl.constexpr, NB: tl.constexpr,
+                  BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr,
+                  PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr):
+    """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
+    (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
+    finishes rows that need no further pass. The running statistics are kept per lane (one per element of a
+    block) and reduced once at the end of the chunk, the draw's per piece. ``DRAW`` / ``LSE``: whether any row of
+    the batch draws here / wants logprobs (a batch without leaves their registers to the others)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
     p = prm + r * NUM_FIELDS
     nlp = tl.load(p + F_NLP)
-    fused = (tl.load(p + F_FLAGS) & FILTERS) == 0
+    # Rows without top-k draw here: the token itself, or a top-p / min-p row's first candidate.
+    fused = DRAW & ((tl.load(p + F_FLAGS) & (FLAG_GREEDY | FLAG_TOPK)) == 0)
     k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
     k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
     pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
@@ -214,13 +240,15 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     larg = tl.full([BLOCK], BIG, tl.int32)
     lcnt = tl.zeros([BLOCK], tl.int32)
     lnan = tl.zeros([BLOCK], tl.int32)
-    rm_run = float("-inf")
+    lrmax = tl.full([BLOCK], float("-inf"), tl.float32)
     lrsum = tl.zeros([BLOCK], tl.float32)
-    lbest = tl.full([BLOCK], float("-inf"), tl.float32)
-    lbid = tl.full([BLOCK], BIG, tl.int32)
+    pm = tl.full([BLOCK], float("-inf"), tl.float32)
+    ps = tl.zeros([BLOCK], tl.float32)
+    R = tl.num_programs(0)
     if TOPS:
         lanes = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
-    for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+    nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+    for i in range(nblk):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
         x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
@@ -235,48 +263,54 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         up = s > lmax  # strictly: a lane keeps its first (lowest) id among equal values
         larg = tl.where(up, offs, larg)
         lmax = tl.where(up, s, lmax)
-        if nlp >= 0:
-            new_rm = tl.maximum(rm_run, tl.max(raw, 0))
-            scale = tl.where(new_rm > float("-inf"), tl.exp(rm_run - new_rm), 0.0)
-            lrsum = lrsum * scale + tl.where(new_rm > float("-inf"), tl.exp(raw - new_rm), 0.0)
-            rm_run = new_rm
+        if LSE:
+            if nlp >= 0:
+                lrmax, lrsum = _online_lse(raw, raw > float("-inf"), lrmax, lrsum)
         if fused:
-            # No filter: the Gumbel-max draw needs no row statistic, so it rides on this pass.
-            score = tl.where(allowed, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
-            up = score > lbest
-            lbid = tl.where(up, offs, lbid)
-            lbest = tl.where(up, score, lbest)
+            # The two-level draw's log-masses per piece of the row, reduced where a piece ends.
+            pm, ps = _online_lse(s, allowed, pm, ps)
+            if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+                gm = tl.max(pm, 0)
+                gs = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - gm), 0.0), 0)
+                piece = start // PIECE
+                tl.store(pieces + r * NP + piece, gm)
+                tl.store(pieces + (R + r) * NP + piece, gs)
+                pm = tl.full([BLOCK], float("-inf"), tl.float32)
+                ps = tl.zeros([BLOCK], tl.float32)
         if TOPS:
             if nlp > 0:
                 lanes = tl.maximum(lanes, _packed(raw, offs, V))
     m = tl.max(lmax, 0)
     arg = tl.min(tl.where(lmax == m, larg, BIG), 0)
-    best = tl.max(lbest, 0)
-    bid = tl.min(tl.where(lbest == best, lbid, BIG), 0)
     base = part + r * C + c
     plane = tl.num_programs(0) * C
     tl.store(base + P_MAX * plane, m)
-    tl.store(base + P_RMAX * plane, rm_run)
-    tl.store(base + P_RSUM * plane, tl.sum(lrsum, 0))
+    rm = tl.max(lrmax, 0)
+    tl.store(base + P_RMAX * plane, rm)
+    tl.store(base + P_RSUM * plane, tl.sum(tl.where(lrmax > float("-inf"), lrsum * tl.exp(lrmax - rm), 0.0), 0))
     tl.store(base + P_ARG * plane, arg.to(tl.float32, bitcast=True))
     tl.store(base + P_NAN * plane, tl.max(lnan, 0).to(tl.float32, bitcast=True))
     tl.store(base + P_CNT * plane, tl.sum(lcnt, 0).to(tl.float32, bitcast=True))
-    tl.store(base + P_BEST * plane, best)
-    tl.store(base + P_BID * plane, bid.to(tl.float32, bitcast=True))
     if TOPS:
         if nlp > 0:
             _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK, ITERS, KP, CAND)
     if _last_of_row(prm, r):
         token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB)
         flags = tl.load(p + F_FLAGS)
+        if fused & (err == 0):
+            st = state + r * NUM_STATE
+            g = _pick_group(pieces, pieces + R * NP, r, NP, V, k0, k1, pos, 0, PIECE, NGP)
+            token = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, 0.0, 0, -1, BLOCK)
+            tl.store(st + ST_CAND, token.to(tl.int64))
         if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0):
             _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, C, KP, TOPS)
 
 
 @triton.jit
 def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, NB: tl.constexpr):
-    """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors, the fused draw's token);
-    the row's histograms zeroed and its threshold search set up. Returns (token, error code, log-sum-exp)."""
+    """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors); the row's histograms
+    zeroed and its threshold search set up. Returns (arg-max, error code, log-sum-exp)."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
@@ -297,10 +331,6 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     err = tl.where(nan > 0, ERR_NAN, tl.where(m == float("-inf"), ERR_NONE_ALLOWED, 0))
     flags = tl.load(prm + r * NUM_FIELDS + F_FLAGS)
     token = arg
-    if (flags & FILTERS) == 0:
-        pb = tl.load(base + P_BEST * plane, mask=cm, other=float("-inf"), cache_modifier=".cg")
-        pi = tl.load(base + P_BID * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
-        token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
     tl.store(stats + S_M * R + r, m)
     tl.store(stats + S_LSE * R + r, lse)
     tl.store(stats + S_TOK * R + r, token.to(tl.float32, bitcast=True))
@@ -308,13 +338,79 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     top_k = tl.load(prm + r * NUM_FIELDS + F_TOP_K)
     phase = tl.full([], PHASE_DONE, tl.int64)
     target = tl.zeros([], tl.int64)
+    pend = tl.full([], PEND_NONE, tl.int64)
+    draw = tl.zeros([], tl.int64)
     if (err == 0) & ((flags & FLAG_GREEDY) == 0):
-        if ((flags & FLAG_TOPK) != 0) & (top_k < allowed):
-            phase = tl.full([], PHASE_K, tl.int64)
-            target = top_k.to(tl.int64)
-        elif (flags & FLAG_TOPP) != 0:
-            phase = tl.full([], PHASE_P, tl.int64)
-            target = tl.full([], -1, tl.int64)  # top_p of the mass that the first round's histogram totals
+        if (flags & FLAG_TOPK) != 0:
+            draw = tl.full([], 1, tl.int64)
+            if top_k < allowed:
+                phase = tl.full([], PHASE_K, tl.int64)
+                target = top_k.to(tl.int64)
+            elif (flags & FLAG_TOPP) != 0:
+                phase = tl.full([], PHASE_P, tl.int64)
+                target = tl.full([], -1, tl.int64)  # top_p of the mass that the first round's histogram totals
+        elif (flags & (FLAG_TOPP | FLAG_MINP)) != 0:
+            pend = tl.full([], PEND_TEST, tl.int64)
+    st = state + r * NUM_STATE
+    _start_search(state, hcnt, hmass, r, phase, target, NB)
+    tl.store(st + ST_NEED, tl.full([], -1, tl.int64))
+    tl.store(st + ST_PEND, pend)
+    tl.store(st + ST_CAND, token.to(tl.int64))
+    tl.store(st + ST_RND, tl.zeros([], tl.int64))
+    tl.store(st + ST_DRAW, draw)
+    return token, err, lse
+
+
+@triton.jit
+def _pick_group(pmax, psum, r, NP, V, k0, k1, pos, stream, PIECE: tl.constexpr, NGP: tl.constexpr):
+    """The two-level draw's group: the Gumbel-max (group noise of ``stream``) of the groups' log-masses, each
+    combined from its pieces' (maximum, sum of exp(s - maximum)) in ``pmax`` / ``psum`` (row ``r``, ``NP`` pieces
+    of PIECE tokens; ``psum`` alone with ``pmax`` None: plain masses)."""
+    GP: tl.constexpr = GROUP // PIECE
+    g = tl.arange(0, NGP)
+    k = tl.arange(0, GP)
+    idx = g[:, None] * GP + k[None, :]
+    ok = idx < NP
+    ps = tl.load(psum + r * NP + idx, mask=ok, other=0.0, cache_modifier=".cg")
+    if pmax is None:
+        lse = tl.log(tl.sum(ps, 1))
+    else:
+        pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(pm, 1)
+        mass = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - top[:, None]), 0.0), 1)
+        lse = tl.where(top > float("-inf"), top + tl.log(mass), float("-inf"))
+    score = tl.where(g < tl.cdiv(V, GROUP), lse + _gumbel(k0, k1, pos, 0, stream, NGP, 1), float("-inf"))
+    best = tl.max(score, 0)
+    return tl.min(tl.where(score == best, g, NGP), 0)
+
+
+@triton.jit
+def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
+                 freq, pres, inv_t, g, V, k0, k1, pos, stream, m, bkey, bound, BLOCK: tl.constexpr):
+    """The Gumbel-max (token noise of ``stream``) over group ``g``'s allowed tokens; with ``bound`` >= 0 only
+    those ranked above token ``bound`` (``key(exp(s - m))`` above ``bkey``, or equal and a lower id)."""
+    best = float("-inf")
+    bid = BIG
+    for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
+        start = g * GROUP + b * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
+                       rep, freq, pres, inv_t, offs, V)
+        keep = (s > float("-inf")) & (offs < V)
+        if bound >= 0:
+            key = _e(s, m).to(tl.int32, bitcast=True)
+            keep = keep & ((key > bkey) | ((key == bkey) & (offs < bound)))
+        score = tl.where(keep, s + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
+        bm = tl.max(score, 0)
+        bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
+        bid = tl.where(bm > best, bidx, bid)
+        best = tl.maximum(best, bm)
+    return bid
+
+
+@triton.jit
+def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
+    """Row ``r``'s threshold search set up for ``phase`` (none: PHASE_DONE), its histograms zeroed."""
     if phase != PHASE_DONE:
         j = tl.arange(0, NB)
         tl.store(hcnt + r * NB + j, tl.zeros([NB], tl.int32))
@@ -329,8 +425,83 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     tl.store(st + ST_AMASS, tl.zeros([], tl.int64))
     tl.store(st + ST_TARGET, target)
     tl.store(st + ST_THR, tl.zeros([], tl.int64))
-    tl.store(st + ST_NEED, tl.full([], -1, tl.int64))
-    return token, err, lse
+
+
+@triton.jit
+def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
+                 hmass, pieces, tops, out, V, C, CT, NP, last_round, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr,
+                 NPP: tl.constexpr):
+    """The rank test of a top-p / min-p row's candidate ``j`` (row, chunk): per piece the masses of the allowed
+    tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps ``j`` when the mass above it is short of top-p's target and
+    ``e_j >= min_p``, and finishes the row; else it draws the next candidate from the tokens above ``j`` (the
+    two-level draw over those masses) for the next round, or after the last round sets up the threshold search
+    and ``_draw_kernel``."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_PEND) == PEND_TEST:
+        R = tl.num_programs(0)
+        m = tl.load(stats + S_M * R + r)
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        cand = tl.load(st + ST_CAND).to(tl.int32)
+        one = cand + tl.zeros([2], tl.int32)
+        x1, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
+                         rep, freq, pres, inv_t, one, V)
+        kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
+        fa = tl.zeros([BLOCK], tl.float32)
+        ft = tl.zeros([BLOCK], tl.float32)
+        nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+        for i in range(nblk):
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
+            e = _e(s, m)
+            key = e.to(tl.int32, bitcast=True)
+            ok = (s > float("-inf")) & (offs < V)
+            up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
+            fa += tl.where(up, e, 0.0)
+            ft += tl.where(ok, e, 0.0)
+            if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+                tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
+                tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
+                fa = tl.zeros([BLOCK], tl.float32)
+                ft = tl.zeros([BLOCK], tl.float32)
+        if _last_of_row(prm, r):
+            # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
+            js = tl.arange(0, NPP)
+            a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+            t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+            p = prm + r * NUM_FIELDS
+            flags = tl.load(p + F_FLAGS)
+            top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
+            keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+            if (flags & FLAG_TOPP) != 0:
+                # j is in the top-p set when the mass before it is short of top_p (the first token always is).
+                keep = keep & ((a == 0.0) | (a < top_p * t))
+            stream = tl.load(st + ST_RND) + 1
+            if keep:
+                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
+                            tl.load(stats + S_LSE * R + r), CT, KP, TOPS)
+            elif last_round != 0:
+                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                tl.store(st + ST_RND, stream)
+                tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
+                if (flags & FLAG_TOPP) != 0:
+                    _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
+                                  NB)
+            else:
+                k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+                k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+                pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+                g = _pick_group(None, pieces + R * NP, r, NP, V, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
+                nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                   mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, stream.to(tl.uint32), m, kc,
+                                   cand, BLOCK)
+                tl.store(st + ST_CAND, nxt.to(tl.int64))
+                tl.store(st + ST_RND, stream)
 
 
 @triton.jit
@@ -469,7 +640,7 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
 
 @triton.jit
 def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, tops,
-                 out, V, C, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
+                 out, V, C, CT, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
                  TOPS: tl.constexpr):
     """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
     the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id). The row's last
@@ -478,14 +649,14 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
     c = tl.program_id(1)
     R = tl.num_programs(0)
     p = prm + r * NUM_FIELDS
-    flags = tl.load(p + F_FLAGS)
-    err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
-    if ((flags & FILTERS) != 0) & ((flags & FLAG_GREEDY) == 0) & (err == 0):
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_DRAW) != 0:
+        err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
+        stream = tl.load(st + ST_RND).to(tl.uint32)
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
         k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
         pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-        st = state + r * NUM_STATE
         m = tl.load(stats + S_M * R + r)
         min_p = tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
         thr = tl.load(st + ST_THR).to(tl.int32)
@@ -511,7 +682,7 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 keep = keep & ((key > thr) | (rank < need))
                 seen += tl.sum(tie.to(tl.int32), 0)
             if tl.max(keep.to(tl.int32), 0) > 0:  # a filtered row keeps few blocks: the others skip the noise
-                score = tl.where(keep, s + _gumbel(k0, k1, pos, start, BLOCK), float("-inf"))
+                score = tl.where(keep, s + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
                 bm = tl.max(score, 0)
                 bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
                 bid = tl.where(bm > best, bidx, bid)
@@ -527,7 +698,7 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                          cache_modifier=".cg").to(tl.int32, bitcast=True)
             token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
             _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
-                        tl.load(stats + S_LSE * R + r), C, KP, TOPS)
+                        tl.load(stats + S_LSE * R + r), CT, KP, TOPS)
 
 
 @triton.jit

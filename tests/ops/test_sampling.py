@@ -252,10 +252,12 @@ def test_rejected_candidates_fall_back_to_the_search(monkeypatch):
     assert (reference_tokens(x, 3.0, 0, 0.3, 0.01, 4242, positions) != want).any()
 
 
-def test_fallback_after_rejections_on_shorter_chunks():
+def test_fallback_after_rejections_on_shorter_chunks(monkeypatch):
     """20,000 flat logits, top_p 0.1 (half of the rows fall back): the first rank round runs on the call's chunks of
     16,384, the later ones and the fallback's search and draw on chunks of 8,192 (three groups of the two-level
-    draw); tokens as the reference's."""
+    draw); tokens as the reference's, and one candidate more changes some of them (the fallback ran)."""
+    from fastdeploy_ext.ops.sampling import reference
+
     rng = np.random.default_rng(31)
     vocab, rows = 20000, 8
     x = (rng.standard_normal((rows, vocab)) * 0.5).astype(np.float32)
@@ -264,6 +266,8 @@ def test_fallback_after_rejections_on_shorter_chunks():
     out = run(x, specs, block=1024, chunk=16384)
     want = [reference_sample(x[r].astype(np.float64), 1.0, 0, 0.1, 0.0, 77 + r, r) for r in range(rows)]
     assert out.token_ids.tolist() == want
+    monkeypatch.setattr(reference, "CANDIDATES", reference.CANDIDATES + 1)
+    assert [reference_sample(x[r].astype(np.float64), 1.0, 0, 0.1, 0.0, 77 + r, r) for r in range(rows)] != want
 
 
 def test_device_counts_follow_the_outputs_across_steps():

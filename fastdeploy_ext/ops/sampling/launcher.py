@@ -363,11 +363,11 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                LSE=bool((params[:, F_NLP] >= 0).any()), num_warps=warps)
     # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
-        for n_cand in range(CANDIDATES):
-            c_n, p_n = (chunk, piece) if n_cand == 0 else (late_chunk, late_piece)
-            np_n = -(-vocab // p_n)
-            ops.launch(tk._rank_kernel, (n, -(-vocab // c_n)),
-                       values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, -(-vocab // c_n), chunks, np_n,
+        rounds = [(chunk, chunks, piece, num_pieces)] + [(late_chunk, late_chunks, late_piece, late_pieces)] * (
+            CANDIDATES - 1)
+        for n_cand, (c_n, cs_n, p_n, np_n) in enumerate(rounds):
+            ops.launch(tk._rank_kernel, (n, cs_n),
+                       values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, cs_n, chunks, np_n,
                                  int(n_cand == CANDIDATES - 1)],
                        NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=MAX_LOGPROBS, TOPS=tops_on, PIECE=p_n,
                        NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)

@@ -97,10 +97,9 @@ def reference_tokens(logits, temperature, top_k, top_p, min_p, seed, positions):
     def gumbel_max(logw, at, stream):
         return np.argmax(logw + gumbel(philox_uniform(seed, positions[at, None], ids[None, :], stream)), axis=1)
 
-    everywhere = np.arange(positions.size)
     with np.errstate(divide="ignore"):
         if top_k > 0:
-            return gumbel_max(np.log(p)[None, :], everywhere, 0)
+            return gumbel_max(np.log(p)[None, :], np.arange(positions.size), 0)
         if top_p >= 1.0 and min_p <= 0.0:
             return group_draw(np.log(np.broadcast_to(p, (positions.size, p.size))), seed, positions, 0)
         x = np.asarray(logits, np.float64) / temperature

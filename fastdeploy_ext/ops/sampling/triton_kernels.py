@@ -433,10 +433,10 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                  ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr,
                  NPP: tl.constexpr):
     """The rank test of a top-p / min-p row's candidate ``j`` (row, chunk): per piece the masses of the allowed
-    tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps ``j`` when the mass above it is short of top-p's target and
-    ``e_j >= min_p``, and finishes the row; else it draws the next candidate from the tokens above ``j`` (the
-    two-level draw over those masses) for the next round, or after the last round sets up the threshold search
-    and ``_draw_kernel``."""
+    tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps
+    ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and finishes the row; else it
+    draws the next candidate from the tokens above ``j`` (the two-level draw over those masses) for the next
+    round, or after the last round sets up the threshold search and ``_draw_kernel``."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     st = state + r * NUM_STATE

@@ -270,6 +270,30 @@ def test_fallback_after_rejections_on_shorter_chunks(monkeypatch):
     assert [reference_sample(x[r].astype(np.float64), 1.0, 0, 0.1, 0.0, 77 + r, r) for r in range(rows)] != want
 
 
+def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
+    """Top-k rows (k <= block) rank the tokens at or above their bound in one gather pass: with no histogram round
+    launched their tokens still equal the reference's. With less room than k every row falls back to the search,
+    again the reference's tokens, and without the histogram rounds then some differ (the fallback ran)."""
+    from fastdeploy_ext.ops.sampling import launcher
+
+    rng = np.random.default_rng(57)
+    vocab, rows = 1000, 12
+    x = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    x[::3, 100:108] = x[::3].max(axis=1, keepdims=True) - 0.5  # ties around the k-th value
+    settings = [(0.7, 5, 0.9, 0.0), (1.0, 7, 1.0, 0.0), (1.3, 13, 0.6, 0.05)]
+    specs = [SampleRow(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp), seed=300 + r, position=r)
+             for r, (t, k, p, mp) in enumerate(settings * (rows // 3))]
+    want = [reference_sample(x[r].astype(np.float64), *settings[r % 3], 300 + r, r) for r in range(rows)]
+    kw = dict(block=16, chunk=64)
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
+        assert run(x, specs, **kw).token_ids.tolist() == want
+    monkeypatch.setattr(launcher, "TOPK_ROOM", 4)
+    assert run(x, specs, **kw).token_ids.tolist() == want
+    monkeypatch.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
+    assert run(x, specs, **kw).token_ids.tolist() != want
+
+
 def test_device_counts_follow_the_outputs_across_steps():
     """The engine's DeviceSampler over 8 steps of one request with strong penalties: each token equals the
     reference's from the prompt and outputs so far, the counts row equals 2 * output count + prompt seen, and an
@@ -297,7 +321,9 @@ def test_device_counts_follow_the_outputs_across_steps():
     slot = counts.slots_for([SampleRow(params, prompt, output)])[0]
     row = counts.table[slot].numpy()
     expect = 2 * np.bincount(output, minlength=vocab) + np.isin(np.arange(vocab), prompt)
-    assert row.tolist() == expect.tolist()
+    assert row[:vocab].tolist() == expect.tolist()
+    bits = np.unpackbits(row[vocab:].view(np.uint8), bitorder="little")[:vocab]
+    assert bits.tolist() == (expect > 0).astype(np.uint8).tolist()
 
 
 def test_a_seeded_row_draws_the_same_token_in_any_batch():
@@ -319,11 +345,12 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     assert len(set(tokens)) == 1
 
 
-@pytest.mark.parametrize("block,chunk,room", [(64, 128, None), (32, 128, 32)],
+@pytest.mark.parametrize("block,chunk,room", [(64, 128, None), (32, 128, 8)],
                          ids=["candidates fit", "candidates overflow"])
 def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
-    """Top logprobs from each chunk's candidates; with room for 32 candidates and 32-token blocks every token of a
-    chunk's first block is one, so the second block overflows the room and the chunk's exact merge runs."""
+    """Top logprobs from each chunk's candidates (lists of 8 for at most 5 requested); with room for 8 candidates
+    the chunk's 8 set maxima alone fill it, so any other token at or above their minimum overflows the room and the
+    chunk's exact merge runs."""
     from fastdeploy_ext.ops.sampling import launcher
 
     if room is not None:
@@ -335,6 +362,11 @@ def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
     specs = [SampleRow(SamplingParams(temperature=1.0, logprobs=5), seed=1),
              SampleRow(SamplingParams(temperature=0.5, top_p=0.9, logprobs=3, logit_bias={4: 9.0}), seed=2),
              SampleRow(SamplingParams(temperature=0.0, logprobs=0), seed=3)]
+    if room is not None:
+        # The rows' chunks hold more tokens at or above their bound than the room: the exact merge runs.
+        full = x[:2, :vocab // chunk * chunk].reshape(2, -1, chunk)
+        sets = full.reshape(2, -1, chunk // block, block // 8, 8).max(axis=(2, 3)).min(axis=-1)
+        assert ((full >= sets[..., None]).sum(-1) > room).any(axis=1).all()
     out = run(x, specs, block=block, chunk=chunk)
     for r, (spec, got) in enumerate(zip(specs, out.logprob_dicts())):
         want = top_logprobs(log_softmax(x[r].astype(np.float64)[None])[0], spec.params.logprobs,

@@ -30,6 +30,7 @@ MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams
 SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
 TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (~120 per 8,192 normal logits)
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
+TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
@@ -138,18 +139,20 @@ def _entries(spec):
 
 
 class PenaltyCounts:
-    """Per-request token counts on the device, ``[capacity, V]`` int32: ``2 * output count + (seen in the
-    prompt)``, read by the penalties and advanced by :func:`sample_rows` with each step's sampled token on the
-    device. A request's row is built once from its prompt and outputs (``slots_for``); afterwards the host only
+    """Per-request token counts on the device, ``[capacity, V + ceil(V / 32)]`` int32: ``2 * output count + (seen
+    in the prompt)``, then a presence bit per token (bit ``v % 32`` of word ``V + v / 32``), so that the penalties
+    read the counts only of tokens seen (a request's few hundred of the vocabulary). :func:`sample_rows` advances
+    them with each step's sampled token on the device. A request's row is built once from its prompt and outputs (``slots_for``); afterwards the host only
     checks that the request's output list grew by the token the device counted. A request is recognised by its
     ``output_ids`` list object (held here, so its identity cannot be reused while the slot lives); the least
     recently used slots are reused when full, and a request that comes back is rebuilt."""
 
     def __init__(self, vocab: int, like, capacity: int = 64):
         self.vocab, self.capacity = int(vocab), int(capacity)
+        self.row_len = self.vocab + -(-self.vocab // 32)
         self.ops = launch.ops_for(like, "like")
         self.like = self.ops.empty([1], "int32", like)  # the device, without holding the caller's tensor
-        self.table = self.ops.empty([self.capacity, self.vocab], "int32", like)
+        self.table = self.ops.empty([self.capacity, self.row_len], "int32", like)
         self._slot_of: dict = {}  # id(output list) -> slot
         self._owner: list = [None] * self.capacity  # per slot: [prompt list, output list, counted, last token]
         self._used = np.zeros(self.capacity, np.int64)  # last step that used the slot (LRU)
@@ -209,15 +212,15 @@ class PenaltyCounts:
     def _grow(self, capacity: int) -> None:
         # A new table: every request's row is rebuilt from its lists when next seen.
         self.capacity = int(capacity)
-        self.table = self.ops.empty([self.capacity, self.vocab], "int32", self.like)
+        self.table = self.ops.empty([self.capacity, self.row_len], "int32", self.like)
         self._slot_of.clear()
         self._owner = [None] * self.capacity
         self._used = np.zeros(self.capacity, np.int64)
 
     def _build(self, specs, fresh, chunk: int = 8192, block: int = 1024) -> None:
         slots = np.asarray([s for _, s in fresh], np.int32)
-        self.ops.launch(tk._counts_reset_kernel, (len(fresh), -(-self.vocab // chunk)),
-                        [self.table, self.vocab, self.ops.from_host(slots, self.like), self.vocab], CHUNK=chunk,
+        self.ops.launch(tk._counts_reset_kernel, (len(fresh), -(-self.row_len // chunk)),
+                        [self.table, self.row_len, self.ops.from_host(slots, self.like), self.row_len], CHUNK=chunk,
                         BLOCK=block, num_warps=4)
         parts = []
         for r, slot in fresh:
@@ -237,8 +240,8 @@ class PenaltyCounts:
         n = entries.shape[1]
         if n:
             self.ops.launch(tk._counts_add_kernel, (-(-n // block),),
-                            [self.table, self.vocab, self.ops.from_host(entries, self.like), n], BLOCK=block,
-                            num_warps=4)
+                            [self.table, self.row_len, self.ops.from_host(entries, self.like), n, self.vocab],
+                            BLOCK=block, num_warps=4)
 
 
 @dataclass
@@ -312,8 +315,11 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if batch.bitmask is not None and (batch.bitmask.ndim != 2 or batch.bitmask.shape[1] < words):
         raise ValueError(f"bitmask must be int32 [masks, >= {words}], got {list(batch.bitmask.shape)}")
     tops_on = batch.max_logprobs > 0
-    if tops_on and block < MAX_LOGPROBS:
-        raise ValueError(f"block ({block}) must be at least {MAX_LOGPROBS} when top logprobs are requested")
+    # The top-logprob lists hold the batch's largest request, rounded up: fewer sets of positions give the chunk's
+    # candidate bound (README.md) a higher value, so fewer candidates to rank.
+    kp = max(8, 1 << (max(batch.max_logprobs, 1) - 1).bit_length())
+    if tops_on and block < kp:
+        raise ValueError(f"block ({block}) must be at least {kp} when {batch.max_logprobs} top logprobs are requested")
     slots = params[:, F_SLOT]
     if (slots >= 0).any() and (counts is None or counts.vocab != vocab or slots.max() >= counts.capacity):
         raise ValueError("counts: rows with penalties need the PenaltyCounts of this vocabulary their slots index")
@@ -333,16 +339,17 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     bitmask, stride_m = dev_params, 0
     if batch.bitmask is not None:
         bitmask, stride_m = ops.from_host(batch.bitmask, logits), batch.bitmask.shape[1]
-    table, stride_c = (counts.table, counts.vocab) if counts is not None else (dev_params, 0)
+    table, stride_c = (counts.table, counts.row_len) if counts is not None else (dev_params, 0)
     # Rank rounds after the first and a top-p / min-p row's fallback see few rows: shorter chunks, more programs
     # per row, so that one row's pass does not take a long program's latency.
     late_chunk = min(chunk, SHORT_CHUNK)
     late_chunks = -(-vocab // late_chunk)
     cp = max(2, 1 << (max(chunks, late_chunks) - 1).bit_length())
-    cand = min(TOP_CANDIDATES, 1 << (chunk - 1).bit_length())
+    cand = min(TOP_CANDIDATES, 32 * kp, 1 << (chunk - 1).bit_length())
     part = ops.empty([NUM_PLANES * n * max(chunks, late_chunks)], "float32", logits)
-    tops = ops.empty([n * chunks * MAX_LOGPROBS if tops_on else 1], "int64", logits)
+    tops = ops.empty([n * chunks * kp if tops_on else 1], "int64", logits)
     cands = ops.empty([n * chunks * cand if tops_on else 1], "int64", logits)
+    ccnt = ops.empty([n * chunks if tops_on else 1], "int32", logits)
     stats = ops.empty([NUM_STATS * n], "float32", logits)
     state = ops.empty([n * NUM_STATE], "int64", logits)
     hcnt = ops.empty([n * NUM_BUCKETS], "int32", logits)
@@ -351,16 +358,23 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     num_pieces, late_pieces = -(-vocab // piece), -(-vocab // late_piece)
     pieces = ops.empty([2 * n * max(num_pieces, late_pieces)], "float32", logits)
     ngp = max(4, 1 << (-(-vocab // GROUP) - 1).bit_length())
-    out = ops.empty([n, 3 + 2 * MAX_LOGPROBS], "int32", logits)
-    values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
+    out = ops.empty([n, 3 + 2 * kp], "int32", logits)
+    # Top-k rows with k <= block gather the tokens at or above a bound from the stats pass and rank them there.
     flags = params[:, F_FLAGS]
+    gathered = ((flags & FLAG_TOPK) != 0) & (params[:, F_TOP_K] <= block)
+    room = min(TOPK_ROOM, max(256, 1 << (chunks * int(params[gathered, F_TOP_K].max(initial=1)) - 1).bit_length()))
+    gbuf = ops.empty([n * room if gathered.any() else 1], "int64", logits)
+    values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     iters = chunk // block
     grid = (n, chunks)
-    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, stats, state, hcnt, hmass, pieces, out, vocab,
-                                                 chunks, num_pieces],
-               CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, CAND=cand,
+    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, ccnt, stats, state, hcnt, hmass, pieces, out,
+                                                 vocab, chunks, num_pieces],
+               CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, CAND=cand,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
-               LSE=bool((params[:, F_NLP] >= 0).any()), num_warps=warps)
+               LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), num_warps=warps)
+    if gathered.any():
+        ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, tops, out, vocab, chunks], BLOCK=block,
+                   ITERS=iters, KP=kp, TOPS=tops_on, ROOM=room, num_warps=warps)
     # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
         rounds = [(chunk, chunks, piece, num_pieces)] + [(late_chunk, late_chunks, late_piece, late_pieces)] * (
@@ -369,7 +383,7 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
             ops.launch(tk._rank_kernel, (n, cs_n),
                        values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, cs_n, chunks, np_n,
                                  int(n_cand == CANDIDATES - 1)],
-                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=MAX_LOGPROBS, TOPS=tops_on, PIECE=p_n,
+                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=kp, TOPS=tops_on, PIECE=p_n,
                        NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)
     if not (flags & FLAG_TOPK).any():  # only fallen-back rows search and draw below
         grid, iters, chunks_d = (n, late_chunks), late_chunk // block, late_chunks
@@ -385,7 +399,7 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                    num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
         ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks_d, chunks], CP=cp,
-                   BLOCK=block, ITERS=iters, KP=MAX_LOGPROBS, TOPS=tops_on, num_warps=warps)
+                   BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)
@@ -393,7 +407,7 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         counts.advance(slots, tokens)
     k = max(batch.max_logprobs, 0)
     return SamplingOutput(tokens, codes, host[:, 2].view(np.float32).copy(), host[:, 3:3 + k].astype(np.int64),
-                          host[:, 3 + MAX_LOGPROBS:3 + MAX_LOGPROBS + k].view(np.float32).copy(),
+                          host[:, 3 + kp:3 + kp + k].view(np.float32).copy(),
                           params[:, F_NLP].copy())
 
 

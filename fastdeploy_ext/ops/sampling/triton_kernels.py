@@ -40,21 +40,24 @@ FLAG_TOPP = tl.constexpr(4)
 FLAG_MINP = tl.constexpr(8)
 FILTERS = tl.constexpr(15)  # greedy or any filter: the stats pass does not finish the row
 # Partials per (row, chunk), float32 planes (ints as bits).
-P_MAX, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES = (tl.constexpr(i) for i in range(9))
-NUM_PLANES = tl.constexpr(9)
+P_MAX, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES, P_KTH = (tl.constexpr(i) for i in range(10))
+NUM_PLANES = tl.constexpr(10)
 # Per-row results of _combine_row, float32 planes (ints as bits).
 S_M, S_LSE, S_TOK, S_ERR = (tl.constexpr(i) for i in range(4))
 NUM_STATS = tl.constexpr(4)
 # The threshold search's per-row state, int64.
 (ST_PHASE, ST_LO, ST_HI, ST_SHIFT, ST_FLOOR, ST_ACNT, ST_AMASS, ST_TARGET, ST_THR, ST_NEED, ST_PEND, ST_CAND,
- ST_RND, ST_DRAW) = (tl.constexpr(i) for i in range(14))
-NUM_STATE = tl.constexpr(14)
+ ST_RND, ST_DRAW, ST_GKEY, ST_GCNT) = (tl.constexpr(i) for i in range(16))
+NUM_STATE = tl.constexpr(16)
 PHASE_DONE = tl.constexpr(0)
 PHASE_K = tl.constexpr(1)
 PHASE_P = tl.constexpr(2)
-# A top-p / min-p row without top-k whose candidate waits for the rank test.
+# A top-p / min-p row without top-k whose candidate waits for the rank test; a top-k row whose tokens at or above
+# its bound wait to be gathered.
 PEND_NONE = tl.constexpr(0)
 PEND_TEST = tl.constexpr(1)
+PEND_GATHER = tl.constexpr(2)
+KEY_SLACK = tl.constexpr(4)  # float32 steps below the bound's key that the gather also takes (exp's rounding)
 ERR_NAN = tl.constexpr(1)
 ERR_NONE_ALLOWED = tl.constexpr(2)
 ONE_KEY = tl.constexpr(0x3F800000)  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
@@ -80,8 +83,9 @@ def _row_params(prm, r):
 def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep, freq,
             pres, inv_t, offs, V):
     """The base logits of ``offs`` (float32, -inf past V; the row's working copy where it has one) and the sampled
-    values ``s``: the penalties from the request's counts (``c = 2 * output count + seen in the prompt``), -inf
-    where the grammar mask clears the token, times 1 / temperature."""
+    values ``s``: the penalties from the request's counts (``c = 2 * output count + seen in the prompt``, read
+    only where the row's presence bits after its V counts say the token was seen), -inf where the grammar mask
+    clears the token, times 1 / temperature."""
     inb = offs < V
     if wrow >= 0:
         x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=inb, other=float("-inf"))
@@ -89,7 +93,9 @@ def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_
         x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=inb, other=float("-inf")).to(tl.float32)
     v = x
     if slot >= 0:
-        c = tl.load(counts + slot.to(tl.int64) * stride_c + offs, mask=inb, other=0)
+        crow = counts + slot.to(tl.int64) * stride_c
+        seen = ((tl.load(crow + V + (offs >> 5), mask=inb, other=0) >> (offs & 31)) & 1) != 0
+        c = tl.load(crow + offs, mask=inb & seen, other=0)
         v = tl.where(c > 0, tl.where(v > 0, v / rep, v * rep), v)
         v = v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
     if mrow >= 0:
@@ -115,6 +121,16 @@ def _gumbel(k0, k1, pos, start, stream, BLOCK: tl.constexpr, space=0):
     q = start // 4 + tl.arange(0, BLOCK // 4)
     w0, w1, w2, w3 = tl.philox_impl(q.to(tl.uint32), zero + pos, zero + stream, zero + space, k0, k1)
     words = tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), [BLOCK])
+    return -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
+
+
+@triton.jit
+def _gumbel_at(k0, k1, pos, ids, stream):
+    """``_gumbel``'s noise of the tokens ``ids`` (any shape, any order): the same Philox call and word per token."""
+    zero = tl.zeros(ids.shape, tl.uint32)
+    w0, w1, w2, w3 = tl.philox_impl((ids // 4).to(tl.uint32), zero + pos, zero + stream, zero, k0, k1)
+    lane = ids % 4
+    words = tl.where(lane == 0, w0, tl.where(lane == 1, w2, tl.where(lane == 2, w1, w3)))
     return -tl.log(-tl.log(tl.uint_to_uniform_float(words)))
 
 
@@ -172,24 +188,27 @@ def _packed(raw, offs, V):
 
 
 @triton.jit
-def _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                KP: tl.constexpr, CAND: tl.constexpr):
+def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK: tl.constexpr,
+                ITERS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
     """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest packed value
     the stats pass saw there. Grouped into KP sets of positions, their maxima are KP distinct tokens, so the smallest
     of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on random logits) are
     gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
     thr = tl.min(tl.max(tl.reshape(lanes, [BLOCK // KP, KP]), 0), 0)
     scr = cands + (r * C + c).to(tl.int64) * CAND
-    n = 0
+    cnt = ccnt + r * C + c
+    tl.store(cnt, 0)
+    tl.debug_barrier()  # the counter zeroed before any thread takes a slot from it
     for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
         offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
         raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         packed = _packed(raw, offs, V)
         keep = (packed >= thr) & (offs < V)
-        at = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+        # A slot per candidate from the chunk's counter: few per block, where a scan would cost more.
+        at = tl.atomic_add(cnt + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
         tl.store(scr + at, packed, mask=keep & (at < CAND))
-        n += tl.sum(keep.to(tl.int32), 0)
     tl.debug_barrier()  # the candidates stored by every thread, before they are read back
+    n = tl.atomic_add(cnt, 0)
     if n <= CAND:
         j = tl.arange(0, CAND)
         run = tl.topk(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
@@ -218,14 +237,16 @@ def _online_lse(v, ok, lmax, lsum):
 
 @triton.jit
 def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, cands,
-                  stats, state, hcnt, hmass, pieces, out, V, C, NP, CP: tl.constexpr, NB: tl.constexpr,
+                  ccnt, stats, state, hcnt, hmass, pieces, out, V, C, NP, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr,
-                  PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr):
+                  PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass. The running statistics are kept per lane (one per element of a
     block) and reduced once at the end of the chunk, the draw's per piece. ``DRAW`` / ``LSE``: whether any row of
-    the batch draws here / wants logprobs (a batch without leaves their registers to the others)."""
+    the batch draws here / wants logprobs (a batch without leaves their registers to the others). ``KSEL``:
+    whether a row has a top-k of at most BLOCK, whose chunks then store the k-th largest of their lanes' maxima,
+    a bound at or below the chunk's k-th largest value (k of its tokens lie at or above it)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -291,11 +312,18 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     tl.store(base + P_ARG * plane, arg.to(tl.float32, bitcast=True))
     tl.store(base + P_NAN * plane, tl.max(lnan, 0).to(tl.float32, bitcast=True))
     tl.store(base + P_CNT * plane, tl.sum(lcnt, 0).to(tl.float32, bitcast=True))
+    if KSEL:
+        top_k = tl.load(p + F_TOP_K)
+        kth = tl.full([], float("-inf"), tl.float32)
+        if ((tl.load(p + F_FLAGS) & FLAG_TOPK) != 0) & (top_k <= BLOCK):
+            ranked = tl.sort(lmax, 0, descending=True)
+            kth = tl.max(tl.where(tl.arange(0, BLOCK) == top_k - 1, ranked, float("-inf")), 0)
+        tl.store(base + P_KTH * plane, kth)
     if TOPS:
         if nlp > 0:
-            _chunk_tops(logits, stride_l, row, tops, cands, r, c, C, V, lanes, BLOCK, ITERS, KP, CAND)
+            _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK, ITERS, KP, CAND)
     if _last_of_row(prm, r):
-        token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB)
+        token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
         if fused & (err == 0):
             st = state + r * NUM_STATE
@@ -304,13 +332,16 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                                  mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, 0.0, 0, -1, BLOCK)
             tl.store(st + ST_CAND, token.to(tl.int64))
         if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0):
-            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, C, KP, TOPS)
+            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, V, C, KP, TOPS)
 
 
 @triton.jit
-def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, NB: tl.constexpr):
+def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, NB: tl.constexpr,
+                 KSEL: tl.constexpr, KMAX: tl.constexpr):
     """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors); the row's histograms
-    zeroed and its threshold search set up. Returns (arg-max, error code, log-sum-exp)."""
+    zeroed and its threshold search set up; a top-k row with k <= KMAX (when ``KSEL``) set up for the gather
+    above its bound: the largest of its chunks' bounds, since one chunk holds k tokens at or above it. Returns
+    (arg-max, error code, log-sum-exp)."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
@@ -346,6 +377,9 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
             if top_k < allowed:
                 phase = tl.full([], PHASE_K, tl.int64)
                 target = top_k.to(tl.int64)
+                if KSEL:
+                    if top_k <= KMAX:
+                        pend = tl.full([], PEND_GATHER, tl.int64)
             elif (flags & FLAG_TOPP) != 0:
                 phase = tl.full([], PHASE_P, tl.int64)
                 target = tl.full([], -1, tl.int64)  # top_p of the mass that the first round's histogram totals
@@ -358,6 +392,11 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     tl.store(st + ST_CAND, token.to(tl.int64))
     tl.store(st + ST_RND, tl.zeros([], tl.int64))
     tl.store(st + ST_DRAW, draw)
+    if KSEL:
+        bound = tl.max(tl.load(base + P_KTH * plane, mask=cm, other=float("-inf"), cache_modifier=".cg"), 0)
+        gkey = tl.maximum(_e(bound, m).to(tl.int32, bitcast=True) - KEY_SLACK, 0)
+        tl.store(st + ST_GKEY, gkey.to(tl.int64))
+        tl.store(st + ST_GCNT, tl.zeros([], tl.int64))
     return token, err, lse
 
 
@@ -484,7 +523,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             if keep:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
-                            tl.load(stats + S_LSE * R + r), CT, KP, TOPS)
+                            tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
             elif last_round != 0:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 tl.store(st + ST_RND, stream)
@@ -502,6 +541,68 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                                    cand, BLOCK)
                 tl.store(st + ST_CAND, nxt.to(tl.int64))
                 tl.store(st + ST_RND, stream)
+
+
+@triton.jit
+def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, gbuf,
+                   tops, out, V, CT, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr,
+                   ROOM: tl.constexpr):
+    """A top-k row's tokens at or above its bound (``key(e) >= ST_GKEY``), as packed ``(key, BIG - id)`` into the
+    row's ROOM slots (row, chunk). The row's last program ranks them: top-k keeps every token at or above the k-th
+    key, top-p the shortest prefix (ties to the lower id) whose fixed-point mass reaches ``ceil(top_p * M)`` of
+    the kept mass ``M``, min-p ``e >= min_p``; the Gumbel-max over what is kept (``_draw_kernel``'s noise) is the
+    token, and the row is finished. More tokens than ROOM (many equal values) leave the row to the histogram
+    search, which the row's state is already set up for."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_PEND) == PEND_GATHER:
+        R = tl.num_programs(0)
+        m = tl.load(stats + S_M * R + r)
+        gkey = tl.load(st + ST_GKEY).to(tl.int32)
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        buf = gbuf + r.to(tl.int64) * ROOM
+        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
+            key = _e(s, m).to(tl.int32, bitcast=True)
+            keep = (s > float("-inf")) & (key >= gkey) & (offs < V)
+            # A slot per kept token from the row's counter: a block keeps one or two, and a scan would cost more.
+            at = tl.atomic_add(st + ST_GCNT + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
+            tl.store(buf + at, (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64), mask=keep & (at < ROOM))
+        if _last_of_row(prm, r):
+            n = tl.load(st + ST_GCNT, cache_modifier=".cg")
+            if n <= ROOM:
+                p = prm + r * NUM_FIELDS
+                j = tl.arange(0, ROOM)
+                ranked = tl.sort(tl.load(buf + j, mask=j < n, other=-9223372036854775807 - 1, cache_modifier=".cg"),
+                                 0, descending=True)
+                key = (ranked >> 32).to(tl.int32)
+                ids = -(ranked & 0xFFFFFFFF).to(tl.int32) + BIG
+                e = key.to(tl.float32, bitcast=True)
+                top_k = tl.load(p + F_TOP_K)
+                kept = (j < n) & (key >= tl.max(tl.where(j == top_k - 1, key, -1), 0))
+                if (tl.load(p + F_FLAGS) & FLAG_TOPP) != 0:
+                    mass = tl.where(kept, (e * MASS_SCALE).to(tl.int64), 0)
+                    top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True).to(tl.float64)
+                    target = tl.maximum(tl.ceil(top_p * tl.sum(mass, 0).to(tl.float64)), 1.0).to(tl.int64)
+                    # Rounding can leave the whole set short of the target: then all of it is kept.
+                    kept = kept & (j <= tl.min(tl.where(tl.cumsum(mass, 0) >= target, j, ROOM), 0))
+                kept = kept & (e >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True))
+                ids = tl.where(kept, ids, 0)
+                x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                               slot, rep, freq, pres, inv_t, ids, V)
+                noise = _gumbel_at(tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True),
+                                   tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True),
+                                   tl.load(p + F_POS).to(tl.uint32, bitcast=True), ids, 0)
+                score = tl.where(kept, s + noise, float("-inf"))
+                token = tl.min(tl.where(score == tl.max(score, 0), ids, BIG), 0)
+                tl.store(st + ST_PHASE, tl.full([], PHASE_DONE, tl.int64))
+                tl.store(st + ST_DRAW, tl.zeros([], tl.int64))
+                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, 0,
+                            tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+            tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
 
 
 @triton.jit
@@ -698,14 +799,14 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                          cache_modifier=".cg").to(tl.int32, bitcast=True)
             token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
             _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
-                        tl.load(stats + S_LSE * R + r), CT, KP, TOPS)
+                        tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
 
 
 @triton.jit
-def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, C, KP: tl.constexpr,
+def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, V, C, KP: tl.constexpr,
                 TOPS: tl.constexpr):
     """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)
-    merged from the chunks' lists; the token counted (+2) in the row's counts."""
+    merged from the chunks' lists; the token counted (+2) in the row's counts and marked in its presence bits."""
     p = prm + r * NUM_FIELDS
     token = tl.where(err == 0, token, 0)
     o = out + r * (3 + 2 * KP)
@@ -714,6 +815,7 @@ def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, er
     slot = tl.load(p + F_SLOT)
     if (slot >= 0) & (err == 0):
         tl.atomic_add(counts + slot.to(tl.int64) * stride_c + token, 2)
+        tl.atomic_or(counts + slot.to(tl.int64) * stride_c + V + (token >> 5), 1 << (token & 31))
     nlp = tl.load(p + F_NLP)
     if (nlp >= 0) & (err == 0):
         row = tl.load(p + F_ROW)
@@ -734,7 +836,8 @@ def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, er
 
 @triton.jit
 def _counts_reset_kernel(counts, stride_c, slots, V, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Zeroes chunk ``program_id(1)`` of counts row ``slots[program_id(0)]``."""
+    """Zeroes chunk ``program_id(1)`` of counts row ``slots[program_id(0)]`` (``V``: the row's length, counts and
+    presence bits)."""
     slot = tl.load(slots + tl.program_id(0))
     lo = tl.program_id(1) * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -744,9 +847,9 @@ def _counts_reset_kernel(counts, stride_c, slots, V, CHUNK: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _counts_add_kernel(counts, stride_c, entries, n, BLOCK: tl.constexpr):
+def _counts_add_kernel(counts, stride_c, entries, n, V, BLOCK: tl.constexpr):
     """``entries`` int32 ``[3, n]`` (slot, token, kind): a prompt token (kind 0) sets bit 0 of its count, an output
-    token (kind 1) adds 2."""
+    token (kind 1) adds 2; either sets the token's presence bit after the row's ``V`` counts."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = j < n
     slot = tl.load(entries + j, mask=ok, other=0)
@@ -755,3 +858,4 @@ def _counts_add_kernel(counts, stride_c, entries, n, BLOCK: tl.constexpr):
     ptr = counts + slot.to(tl.int64) * stride_c + tok
     tl.atomic_or(ptr, tl.full([BLOCK], 1, tl.int32), mask=ok & (kind == 0))
     tl.atomic_add(ptr, tl.full([BLOCK], 2, tl.int32), mask=ok & (kind == 1))
+    tl.atomic_or(counts + slot.to(tl.int64) * stride_c + V + (tok >> 5), 1 << (tok & 31), mask=ok)

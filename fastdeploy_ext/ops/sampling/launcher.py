@@ -28,7 +28,7 @@ _NAMES = ("F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P
  NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in _NAMES)
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
 SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
-TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (~120 per 8,192 normal logits)
+TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (at most 32 per list entry)
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
@@ -142,8 +142,9 @@ class PenaltyCounts:
     """Per-request token counts on the device, ``[capacity, V + ceil(V / 32)]`` int32: ``2 * output count + (seen
     in the prompt)``, then a presence bit per token (bit ``v % 32`` of word ``V + v / 32``), so that the penalties
     read the counts only of tokens seen (a request's few hundred of the vocabulary). :func:`sample_rows` advances
-    them with each step's sampled token on the device. A request's row is built once from its prompt and outputs (``slots_for``); afterwards the host only
-    checks that the request's output list grew by the token the device counted. A request is recognised by its
+    them with each step's sampled token on the device. A request's row is built once from its prompt and outputs
+    (``slots_for``); afterwards the host only checks that the request's output list grew by the token the device
+    counted. A request is recognised by its
     ``output_ids`` list object (held here, so its identity cannot be reused while the slot lives); the least
     recently used slots are reused when full, and a request that comes back is rebuilt."""
 

@@ -326,6 +326,32 @@ def test_device_counts_follow_the_outputs_across_steps():
     assert bits.tolist() == (expect > 0).astype(np.uint8).tolist()
 
 
+@pytest.mark.parametrize("vocab,block,chunk", [(255, 16, 64), (257, 16, 64), (1000, 1024, 8192)])
+def test_penalties_and_masks_at_every_place_of_a_run_of_four(vocab, block, chunk):
+    """The passes read a presence or mask word once per run of 4 tokens and a run's 4 counts at once: greedy rows
+    whose arg-max moves only when one token's penalty or mask bit is applied, for a token at each place of its run
+    and the vocabulary's last token (alone in its run at 257, third at 255)."""
+    rng = np.random.default_rng(vocab)
+    targets = [40, 41, 42, 43, vocab - 1]
+    rows, specs, masks = [], [], []
+    for t in targets:
+        x = rng.standard_normal(vocab).astype(np.float32)
+        x[t] = x.max() + 1.0
+        rows.append(x)
+        specs.append(SampleRow(SamplingParams(temperature=0.0, presence_penalty=2.0), [], [t]))
+        for allowed in (np.arange(vocab) != t, np.arange(vocab) == t):
+            rows.append(x)
+            specs.append(SampleRow(SamplingParams(temperature=0.0), mask_row=len(masks)))
+            masks.append(allowed)
+    logits = np.stack(rows)
+    out = run(logits, specs, pack(np.stack(masks)), block=block, chunk=chunk)
+    want = []
+    for x, t in zip(rows[::3], targets):
+        second = int(np.argmax(np.where(np.arange(vocab) == t, -np.inf, x)))
+        want += [second, second, t]
+    assert out.token_ids.tolist() == want
+
+
 def test_a_seeded_row_draws_the_same_token_in_any_batch():
     rng = np.random.default_rng(4)
     vocab = 300

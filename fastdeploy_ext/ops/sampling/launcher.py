@@ -139,18 +139,19 @@ def _entries(spec):
 
 
 class PenaltyCounts:
-    """Per-request token counts on the device, ``[capacity, V + ceil(V / 32)]`` int32: ``2 * output count + (seen
-    in the prompt)``, then a presence bit per token (bit ``v % 32`` of word ``V + v / 32``), so that the penalties
-    read the counts only of tokens seen (a request's few hundred of the vocabulary). :func:`sample_rows` advances
-    them with each step's sampled token on the device. A request's row is built once from its prompt and outputs
-    (``slots_for``); afterwards the host only checks that the request's output list grew by the token the device
-    counted. A request is recognised by its
-    ``output_ids`` list object (held here, so its identity cannot be reused while the slot lives); the least
-    recently used slots are reused when full, and a request that comes back is rebuilt."""
+    """Per-request token counts on the device, ``[capacity, row_len]`` int32 (``V + ceil(V / 32)`` rounded up to
+    16): ``2 * output count + (seen in the prompt)``, then a presence bit per token (bit ``v % 32`` of word
+    ``V + v / 32``), so that the penalties read the counts only of tokens seen (a request's few hundred of the
+    vocabulary). :func:`sample_rows` advances them with each step's sampled token on the device. A request's row
+    is built once from its prompt and outputs (``slots_for``); afterwards the host only checks that the request's
+    output list grew by the token the device counted. A request is recognised by its ``output_ids`` list object
+    (held here, so its identity cannot be reused while the slot lives); the least recently used slots are reused
+    when full, and a request that comes back is rebuilt."""
 
     def __init__(self, vocab: int, like, capacity: int = 64):
         self.vocab, self.capacity = int(vocab), int(capacity)
-        self.row_len = self.vocab + -(-self.vocab // 32)
+        # Rows a multiple of 16 ints long: Triton then knows a row starts 64-byte aligned and reads 4 counts at once.
+        self.row_len = -(-(self.vocab + -(-self.vocab // 32)) // 16) * 16
         self.ops = launch.ops_for(like, "like")
         self.like = self.ops.empty([1], "int32", like)  # the device, without holding the caller's tensor
         self.table = self.ops.empty([self.capacity, self.row_len], "int32", like)

@@ -80,27 +80,68 @@ def _row_params(prm, r):
 
 
 @triton.jit
+def _base(logits, stride_l, work, stride_w, row, wrow, offs, V):
+    """The base logits of ``offs``: float32, -inf past V; the row's working copy where it has one."""
+    if wrow >= 0:
+        x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
+    else:
+        x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _penalized(v, c, rep, freq, pres):
+    """``v`` with the penalties of count ``c`` (``2 * output count + seen in the prompt``)."""
+    v = tl.where(c > 0, tl.where(v > 0, v / rep, v * rep), v)
+    return v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
+
+
+@triton.jit
 def _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep, freq,
             pres, inv_t, offs, V):
-    """The base logits of ``offs`` (float32, -inf past V; the row's working copy where it has one) and the sampled
-    values ``s``: the penalties from the request's counts (``c = 2 * output count + seen in the prompt``, read
-    only where the row's presence bits after its V counts say the token was seen), -inf where the grammar mask
-    clears the token, times 1 / temperature."""
-    inb = offs < V
-    if wrow >= 0:
-        x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=inb, other=float("-inf"))
-    else:
-        x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=inb, other=float("-inf")).to(tl.float32)
+    """The base logits of tokens ``offs`` (any shape, any ids) and the sampled values ``s``: the penalties from
+    the request's counts (read only where the row's presence bits after its V counts say the token was seen),
+    -inf where the grammar mask clears the token, times 1 / temperature. The passes over the vocabulary use
+    ``_block_values``."""
+    x = _base(logits, stride_l, work, stride_w, row, wrow, offs, V)
     v = x
     if slot >= 0:
         crow = counts + slot.to(tl.int64) * stride_c
-        seen = ((tl.load(crow + V + (offs >> 5), mask=inb, other=0) >> (offs & 31)) & 1) != 0
-        c = tl.load(crow + offs, mask=inb & seen, other=0)
-        v = tl.where(c > 0, tl.where(v > 0, v / rep, v * rep), v)
-        v = v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
+        seen = ((tl.load(crow + V + (offs >> 5), mask=offs < V, other=0) >> (offs & 31)) & 1) != 0
+        v = _penalized(v, tl.load(crow + offs, mask=(offs < V) & seen, other=0), rep, freq, pres)
     if mrow >= 0:
-        words = tl.load(bitmask + mrow.to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
+        words = tl.load(bitmask + mrow.to(tl.int64) * stride_m + (offs >> 5), mask=offs < V, other=0)
         v = tl.where(((words >> (offs & 31)) & 1) != 0, v, float("-inf"))
+    return x, v * inv_t
+
+
+@triton.jit
+def _nibbles(words, q):
+    """Bits ``4 (q % 8) .. + 3`` of ``words``: the presence or mask bits of tokens ``4 q .. 4 q + 3``."""
+    return (words >> ((q & 7) * 4)) & 15
+
+
+@triton.jit
+def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
+                  freq, pres, inv_t, start, V, BLOCK: tl.constexpr):
+    """``_values`` of the tokens ``start .. start + BLOCK`` (start a multiple of 4). A thread holds runs of 4
+    tokens, which share a word of the presence bits and of the mask: the words are read once per run and the
+    counts of a run with a bit set as one 16-byte load, where per-token loads of words and masked counts cost 16
+    load instructions per thread and block (8 per token run of the logits' two)."""
+    offs = start + tl.arange(0, BLOCK)
+    x = _base(logits, stride_l, work, stride_w, row, wrow, offs, V)
+    v = x
+    q = start // 4 + tl.arange(0, BLOCK // 4)
+    if slot >= 0:
+        crow = counts + slot.to(tl.int64) * stride_c
+        nib = _nibbles(tl.load(crow + V + (q >> 3), mask=q * 4 < V, other=0), q)
+        four = tl.load(crow + q[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(nib != 0)[:, None], other=0)
+        seen = ((tl.reshape(tl.join(tl.join(nib, nib), tl.join(nib, nib)), [BLOCK]) >> (offs & 3)) & 1) != 0
+        v = _penalized(v, tl.where(seen, tl.reshape(four, [BLOCK]), 0), rep, freq, pres)
+    if mrow >= 0:
+        nib = _nibbles(tl.load(bitmask + mrow.to(tl.int64) * stride_m + (q >> 3), mask=q * 4 < V, other=0), q)
+        bits = tl.reshape(tl.join(tl.join(nib, nib), tl.join(nib, nib)), [BLOCK])
+        v = tl.where(((bits >> (offs & 3)) & 1) != 0, v, float("-inf"))
     return x, v * inv_t
 
 
@@ -188,10 +229,23 @@ def _packed(raw, offs, V):
 
 
 @triton.jit
+def _largest(v, KP: tl.constexpr):
+    """The KP largest of ``v`` (int64, distinct but for the smallest int64 as filler), largest first, one maximum
+    at a time: tl.topk's sort would cost the whole stats pass ~45 registers per thread, and with them programs
+    resident per multiprocessor."""
+    run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    for t in tl.static_range(KP):
+        top = tl.max(v, 0)
+        run = tl.where(tl.arange(0, KP) == t, top, run)
+        v = tl.where(v == top, -9223372036854775807 - 1, v)
+    return run
+
+
+@triton.jit
 def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK: tl.constexpr,
                 ITERS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
-    """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest packed value
-    the stats pass saw there. Grouped into KP sets of positions, their maxima are KP distinct tokens, so the smallest
+    """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest raw logit the
+    stats pass saw there (packed with its first id). Grouped into KP sets of positions, their maxima are KP distinct tokens, so the smallest
     of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on random logits) are
     gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
     thr = tl.min(tl.max(tl.reshape(lanes, [BLOCK // KP, KP]), 0), 0)
@@ -211,7 +265,7 @@ def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLO
     n = tl.atomic_add(cnt, 0)
     if n <= CAND:
         j = tl.arange(0, CAND)
-        run = tl.topk(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
+        run = _largest(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
     else:
         # More candidates than room (many equal logits): merge the chunk's blocks exactly.
         run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
@@ -219,7 +273,7 @@ def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLO
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
                           other=float("-inf")).to(tl.float32)
-            run = tl.topk(tl.reshape(tl.join(run, tl.topk(_packed(raw, offs, V), KP)), [2 * KP]), KP)
+            run = _largest(tl.reshape(tl.join(run, _largest(_packed(raw, offs, V), KP)), [2 * KP]), KP)
     tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
 
 
@@ -267,13 +321,13 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     ps = tl.zeros([BLOCK], tl.float32)
     R = tl.num_programs(0)
     if TOPS:
-        lanes = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
+        lrarg = tl.full([BLOCK], BIG, tl.int32)  # per lane the id of the raw maximum lrmax (its first)
     nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
     for i in range(nblk):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
-                       rep, freq, pres, inv_t, offs, V)
+        x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                             slot, rep, freq, pres, inv_t, start, V, BLOCK)
         raw = x
         if wrow >= 0:
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
@@ -286,6 +340,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         lmax = tl.where(up, s, lmax)
         if LSE:
             if nlp >= 0:
+                if TOPS:
+                    lrarg = tl.where(raw > lrmax, offs, lrarg)
                 lrmax, lrsum = _online_lse(raw, raw > float("-inf"), lrmax, lrsum)
         if fused:
             # The two-level draw's log-masses per piece of the row, reduced where a piece ends.
@@ -298,9 +354,6 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                 tl.store(pieces + (R + r) * NP + piece, gs)
                 pm = tl.full([BLOCK], float("-inf"), tl.float32)
                 ps = tl.zeros([BLOCK], tl.float32)
-        if TOPS:
-            if nlp > 0:
-                lanes = tl.maximum(lanes, _packed(raw, offs, V))
     m = tl.max(lmax, 0)
     arg = tl.min(tl.where(lmax == m, larg, BIG), 0)
     base = part + r * C + c
@@ -321,7 +374,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         tl.store(base + P_KTH * plane, kth)
     if TOPS:
         if nlp > 0:
-            _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK, ITERS, KP, CAND)
+            _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, _packed(lrmax, lrarg, V), BLOCK, ITERS,
+                        KP, CAND)
     if _last_of_row(prm, r):
         token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
@@ -433,8 +487,8 @@ def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
     for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
         start = g * GROUP + b * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
-                       rep, freq, pres, inv_t, offs, V)
+        x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                             slot, rep, freq, pres, inv_t, start, V, BLOCK)
         keep = (s > float("-inf")) & (offs < V)
         if bound >= 0:
             key = _e(s, m).to(tl.int32, bitcast=True)
@@ -494,8 +548,8 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         for i in range(nblk):
             start = (c * ITERS + i) * BLOCK
             offs = start + tl.arange(0, BLOCK)
-            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                           slot, rep, freq, pres, inv_t, offs, V)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
             e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             ok = (s > float("-inf")) & (offs < V)
@@ -563,9 +617,10 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         buf = gbuf + r.to(tl.int64) * ROOM
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                           slot, rep, freq, pres, inv_t, offs, V)
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
             key = _e(s, m).to(tl.int32, bitcast=True)
             keep = (s > float("-inf")) & (key >= gkey) & (offs < V)
             # A slot per kept token from the row's counter: a block keeps one or two, and a scan would cost more.
@@ -629,9 +684,10 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         counted = (phase == PHASE_K) | (shift != SHIFT1) | (floor > 0)
         weighed = (phase == PHASE_P) | ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0)
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                           slot, rep, freq, pres, inv_t, offs, V)
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
             e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
@@ -731,9 +787,10 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         n = 0
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                           slot, rep, freq, pres, inv_t, offs, V)
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
             key = _e(s, m).to(tl.int32, bitcast=True)
             n += tl.sum(((key == thr) & (s > float("-inf")) & (offs < V)).to(tl.int32), 0)
         tl.store(part + P_TIES * R * C + r * C + c, n.to(tl.float32, bitcast=True))
@@ -772,8 +829,8 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
             start = (c * ITERS + i) * BLOCK
             offs = start + tl.arange(0, BLOCK)
-            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                           slot, rep, freq, pres, inv_t, offs, V)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
             e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             keep = (s > float("-inf")) & (key >= thr) & (e >= min_p) & (offs < V)

@@ -245,9 +245,9 @@ def _largest(v, KP: tl.constexpr):
 def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK: tl.constexpr,
                 ITERS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
     """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest raw logit the
-    stats pass saw there (packed with its first id). Grouped into KP sets of positions, their maxima are KP distinct tokens, so the smallest
-    of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on random logits) are
-    gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
+    stats pass saw there (packed with its first id). Grouped into KP sets of positions, their maxima are KP distinct
+    tokens, so the smallest of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on
+    random logits) are gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
     thr = tl.min(tl.max(tl.reshape(lanes, [BLOCK // KP, KP]), 0), 0)
     scr = cands + (r * C + c).to(tl.int64) * CAND
     cnt = ccnt + r * C + c

@@ -229,19 +229,6 @@ def _packed(raw, offs, V):
 
 
 @triton.jit
-def _largest(v, KP: tl.constexpr):
-    """The KP largest of ``v`` (int64, distinct but for the smallest int64 as filler), largest first, one maximum
-    at a time: tl.topk's sort would cost the whole stats pass ~45 registers per thread, and with them programs
-    resident per multiprocessor."""
-    run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-    for t in tl.static_range(KP):
-        top = tl.max(v, 0)
-        run = tl.where(tl.arange(0, KP) == t, top, run)
-        v = tl.where(v == top, -9223372036854775807 - 1, v)
-    return run
-
-
-@triton.jit
 def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK: tl.constexpr,
                 ITERS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
     """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest raw logit the
@@ -265,7 +252,7 @@ def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLO
     n = tl.atomic_add(cnt, 0)
     if n <= CAND:
         j = tl.arange(0, CAND)
-        run = _largest(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
+        run = tl.topk(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
     else:
         # More candidates than room (many equal logits): merge the chunk's blocks exactly.
         run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
@@ -273,7 +260,7 @@ def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLO
             offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
                           other=float("-inf")).to(tl.float32)
-            run = _largest(tl.reshape(tl.join(run, _largest(_packed(raw, offs, V), KP)), [2 * KP]), KP)
+            run = tl.topk(tl.reshape(tl.join(run, tl.topk(_packed(raw, offs, V), KP)), [2 * KP]), KP)
     tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
 
 

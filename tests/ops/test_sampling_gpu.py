@@ -89,6 +89,42 @@ def test_tokens_equal_the_reference_at_real_vocabularies(vocab, dtype):
                                                     s.position), (r, p)
 
 
+@pytest.mark.parametrize("vocab", [200064, 151936])
+def test_penalties_and_masks_at_real_vocabularies(vocab):
+    """Rows with penalties over prompt and output ids spread over the vocabulary (the runs of 4 tokens that share a
+    presence word, and the last tokens), and rows under grammar masks allowing 90% of the vocabulary or 40 ids:
+    token for token with the reference on the penalised, masked rows in float64."""
+    rng = np.random.default_rng(vocab + 1)
+    settings = [dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=1.5, frequency_penalty=0.5),
+                dict(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5),
+                dict(temperature=0.9, top_p=0.9, frequency_penalty=0.8),
+                dict(temperature=0.7, top_k=50, repetition_penalty=0.8)]
+    rows = 2 * len(settings)
+    x = model_like(rng, rows, vocab)
+    allowed = np.stack([rng.random(vocab) < 0.9, np.isin(np.arange(vocab), rng.choice(vocab, 40, replace=False))])
+    specs = []
+    for r in range(rows):
+        seen = rng.choice(vocab, 600, replace=False).tolist() + [vocab - 1, vocab - 2]
+        top = np.argsort(x[r])[-8:].tolist()  # the likeliest tokens seen too, so the penalties move the draw
+        specs.append(SampleRow(SamplingParams(**settings[r % len(settings)]), seen[:400] + top[:4],
+                               seen[400:] + top[4:], None, [], (r % 3) if r % 3 < 2 else None,
+                               seed=int(rng.integers(1 << 62)), position=int(rng.integers(1 << 20))))
+    out = sample(torch.from_numpy(x).cuda(), specs, bitmask=pack(allowed))
+    assert (out.error_codes == 0).all()
+    for r, s in enumerate(specs):
+        p = s.params
+        v = x[r].astype(np.float64)
+        seen = set(s.prompt_ids) | set(s.output_ids)
+        ids = np.fromiter(seen, np.int64)
+        v[ids] = np.where(v[ids] > 0, v[ids] / p.repetition_penalty, v[ids] * p.repetition_penalty)
+        out_ids, n = np.unique(np.asarray(s.output_ids), return_counts=True)
+        v[out_ids] -= n * p.frequency_penalty + p.presence_penalty
+        if s.mask_row is not None:
+            v[~allowed[s.mask_row]] = -np.inf
+        want = reference_sample(v, p.temperature, p.top_k, p.top_p, p.min_p, s.seed, s.position)
+        assert out.token_ids[r] == want, (r, p)
+
+
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.7, 1.5, -2.0, 0.0], np.float32)
 
 

@@ -122,6 +122,12 @@ def _nibbles(words, q):
 
 
 @triton.jit
+def _token_bits(nib, offs, BLOCK: tl.constexpr):
+    """Per token of the block ``offs`` its bit of its run's nibble ``nib`` (one per 4 tokens), as a mask."""
+    return ((tl.reshape(tl.join(tl.join(nib, nib), tl.join(nib, nib)), [BLOCK]) >> (offs & 3)) & 1) != 0
+
+
+@triton.jit
 def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
                   freq, pres, inv_t, start, V, BLOCK: tl.constexpr):
     """``_values`` of the tokens ``start .. start + BLOCK`` (start a multiple of 4). A thread holds runs of 4
@@ -136,12 +142,10 @@ def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         crow = counts + slot.to(tl.int64) * stride_c
         nib = _nibbles(tl.load(crow + V + (q >> 3), mask=q * 4 < V, other=0), q)
         four = tl.load(crow + q[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(nib != 0)[:, None], other=0)
-        seen = ((tl.reshape(tl.join(tl.join(nib, nib), tl.join(nib, nib)), [BLOCK]) >> (offs & 3)) & 1) != 0
-        v = _penalized(v, tl.where(seen, tl.reshape(four, [BLOCK]), 0), rep, freq, pres)
+        v = _penalized(v, tl.where(_token_bits(nib, offs, BLOCK), tl.reshape(four, [BLOCK]), 0), rep, freq, pres)
     if mrow >= 0:
         nib = _nibbles(tl.load(bitmask + mrow.to(tl.int64) * stride_m + (q >> 3), mask=q * 4 < V, other=0), q)
-        bits = tl.reshape(tl.join(tl.join(nib, nib), tl.join(nib, nib)), [BLOCK])
-        v = tl.where(((bits >> (offs & 3)) & 1) != 0, v, float("-inf"))
+        v = tl.where(_token_bits(nib, offs, BLOCK), v, float("-inf"))
     return x, v * inv_t
 
 

@@ -5,7 +5,8 @@ tie, top-p inside, just below and just above a tie group, top-p 0 and 1, min-p, 
 device counts, grammar masks allowing 1, 2 and most tokens) the kernels' tokens over 32 positions equal the
 reference's, whose frequencies over 20,000 positions pass the binomial check of tests/engine/test_sampler.py (a
 wrong perturbation and a wrong tie rule fail it); the kernels' own frequencies over a batch; device counts across
-steps; seeded rows alone and in other batches and grids; raw logprobs; errors per row; Paddle tensors."""
+steps; seeded rows alone and in other batches and grids; top-p / min-p candidates kept without the rank pass; raw
+logprobs; errors per row; Paddle tensors."""
 
 import os
 
@@ -292,6 +293,46 @@ def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
     assert run(x, specs, **kw).token_ids.tolist() == want
     monkeypatch.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
     assert run(x, specs, **kw).token_ids.tolist() != want
+
+class _NotLaunched:
+    """A kernel whose launches do nothing: the pass it stands for is left out of the step."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: None
+
+
+def test_a_candidate_of_more_than_one_minus_top_p_is_kept_without_the_rank_pass(monkeypatch):
+    """A top-p row whose first candidate alone holds more than 1 - top_p of the mass, and a min-p row whose
+    candidate passes min-p, are decided by the stats pass: with no rank pass launched, peaked rows (a token of
+    ~99.9%, or two of ~45%) still get the reference's tokens. Near the rule's edge (three tokens of ~0.45, 0.35 and
+    0.2 at top_p 0.6, where the 0.2 token is outside the set and the 0.35 one inside it but below 1 - top_p) the
+    rank pass decides, and the tokens over 32 positions are the reference's."""
+    from fastdeploy_ext.ops.sampling import triton_kernels
+
+    rng = np.random.default_rng(1000)
+    vocab = 1000
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[:3, 17] += 16.0
+    x[3:, [255, 256]] += 12.0  # two tokens of ~45%
+    settings = [(1.0, 0.95, 0.0), (0.8, 0.5, 0.0), (1.0, 1.0, 0.2), (1.0, 0.9, 0.0), (1.0, 0.95, 0.05),
+                (1.0, 1.0, 0.5)]
+    specs = [SampleRow(SamplingParams(temperature=t, top_p=p, min_p=mp), seed=500 + r, position=r)
+             for r, (t, p, mp) in enumerate(settings)]
+    want = [reference_sample(x[r].astype(np.float64), t, 0, p, mp, 500 + r, r)
+            for r, (t, p, mp) in enumerate(settings)]
+    assert set(want[:3]) == {17} and set(want[3:]) <= {255, 256}
+    with monkeypatch.context() as m:
+        m.setattr(triton_kernels, "_rank_kernel", _NotLaunched())
+        assert run(x, specs, block=16, chunk=64).token_ids.tolist() == want
+    edge = np.full(17, -6.0)
+    edge[[2, 9, 15]] = np.log([0.45, 0.35, 0.2])
+    positions = np.arange(POSITIONS)
+    want = reference_tokens(edge, 1.0, 0, 0.6, 0.0, 808, positions)
+    assert set(want.tolist()) == {2, 9}
+    specs = [SampleRow(SamplingParams(temperature=1.0, top_p=0.6), seed=808, position=i) for i in positions]
+    assert run(np.tile(edge.astype(np.float32), (POSITIONS, 1)), specs, block=4, chunk=8).token_ids.tolist() == \
+        want.tolist()
+
 
 
 def test_device_counts_follow_the_outputs_across_steps():

@@ -287,11 +287,12 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
-    finishes rows that need no further pass. The running statistics are kept per lane (one per element of a
-    block) and reduced once at the end of the chunk, the draw's per piece. ``DRAW`` / ``LSE``: whether any row of
-    the batch draws here / wants logprobs (a batch without leaves their registers to the others). ``KSEL``:
-    whether a row has a top-k of at most BLOCK, whose chunks then store the k-th largest of their lanes' maxima,
-    a bound at or below the chunk's k-th largest value (k of its tokens lie at or above it)."""
+    finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
+    statistics are kept per lane (one per element of a block) and reduced once at the end of the chunk, the draw's per
+    piece. ``DRAW`` / ``LSE``: whether any row of the batch draws here / wants logprobs (a batch without leaves their
+    registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
+    largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
+    it)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -368,16 +369,45 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, _packed(lrmax, lrarg, V), BLOCK, ITERS,
                         KP, CAND)
     if _last_of_row(prm, r):
-        token, err, lse = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
+        token, err, lse, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
+        kept = False
         if fused & (err == 0):
             st = state + r * NUM_STATE
             g = _pick_group(pieces, pieces + R * NP, r, NP, V, k0, k1, pos, 0, PIECE, NGP)
-            token = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, 0.0, 0, -1, BLOCK)
-            tl.store(st + ST_CAND, token.to(tl.int64))
-        if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0):
+            cand = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, 0.0, 0, -1, BLOCK)
+            tl.store(st + ST_CAND, cand.to(tl.int64))
+            if (flags & (FLAG_TOPP | FLAG_MINP)) != 0:
+                _, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                mrow, slot, rep, freq, pres, inv_t, cand + tl.zeros([2], tl.int32), V)
+                kept = _kept_at_once(p, pieces, r, R, NP, m, tl.max(s1, 0), PIECE, NGP)
+                if kept:
+                    tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+            token = cand
+        if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0) | kept:
             _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, V, C, KP, TOPS)
+
+
+@triton.jit
+def _kept_at_once(p, pieces, r, R, NP, m, s_j, PIECE: tl.constexpr, NGP: tl.constexpr):
+    """Whether a top-p / min-p row's first candidate ``j`` (value ``s_j``) is kept without a rank pass: ``e_j >=
+    min_p`` (the rank pass's own test), and for top-p ``e_j`` alone is more than ``1 - top_p`` of the row's mass
+    ``T`` (from the stats pass's pieces): ``j`` and the tokens ranked below it hold at least ``e_j``, so the mass
+    ranked above it is short of ``top_p · T``. The margin of ``2^-16 T`` covers the float32 sums of ``T`` here
+    and in the rank pass, which would keep ``j`` too. A peaked row (at top_p 0.95, a candidate of more than 5%)
+    mostly stops here; a min-p row stops here whenever its candidate passes."""
+    e_j = _e(s_j, m)
+    kept = e_j >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+    if (tl.load(p + F_FLAGS) & FLAG_TOPP) != 0:
+        j = tl.arange(0, NGP * (GROUP // PIECE))
+        ok = j < NP
+        pm = tl.load(pieces + r * NP + j, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ps = tl.load(pieces + (R + r) * NP + j, mask=ok, other=0.0, cache_modifier=".cg")
+        total = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), 0)
+        rest = 1.0 - tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
+        kept = kept & (e_j > (rest + 0.0000152587890625) * total)
+    return kept
 
 
 @triton.jit
@@ -386,7 +416,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors); the row's histograms
     zeroed and its threshold search set up; a top-k row with k <= KMAX (when ``KSEL``) set up for the gather
     above its bound: the largest of its chunks' bounds, since one chunk holds k tokens at or above it. Returns
-    (arg-max, error code, log-sum-exp)."""
+    (arg-max, error code, log-sum-exp, max s)."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
@@ -442,7 +472,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
         gkey = tl.maximum(_e(bound, m).to(tl.int32, bitcast=True) - KEY_SLACK, 0)
         tl.store(st + ST_GKEY, gkey.to(tl.int64))
         tl.store(st + ST_GCNT, tl.zeros([], tl.int64))
-    return token, err, lse
+    return token, err, lse, m
 
 
 @triton.jit

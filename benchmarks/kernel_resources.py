@@ -3,7 +3,9 @@ sm_90 (H100 / H200) by Triton's own toolchain (``ptxas``, ``nvdisasm`` and ``cuo
 with the registers per thread, how many programs of 128 threads that lets a multiprocessor hold (65,536 registers),
 and the SASS instruction counts that decide a streaming pass's cost: global loads (``LDG``), asynchronous copies
 (``LDGSTS``, a pipelined loop), exponentials and logarithms (``MUFU``), barriers, shuffles, local-memory spills.
-These are static counts of the whole kernel, not timings: a loop body counts once.
+These are static counts of the whole kernel, not timings: a loop body counts once. ``--loops`` also prints each
+kernel's largest loops (a backward branch to a label and the instructions between), the streaming passes' cost per
+block of BLOCK tokens, branches inside a loop included whether they run or not.
 
 The kernels are specialised as ``sample_rows`` launches them at R=256 and vocab 200,064 (chunks of 32,768, blocks
 of 1,024, 4 warps; integer arguments divisible by 16 marked so, as Triton's launcher does); ``--variant`` picks the
@@ -11,6 +13,7 @@ stats kernel's specialisation (which rows the batch holds).
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --variant logprobs --sass-out /tmp/sass
+    python benchmarks/kernel_resources.py --variant t=1 --loops 2
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def compile_sm90(fn, constants, warps=4):
              if sig[n].startswith("*") or n in DIVISIBLE}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return kernel.asm["cubin"], _tool("nvdisasm", "-c", data=kernel.asm["cubin"])
+    return kernel.asm["cubin"], _tool("nvdisasm", "-c", "-g", data=kernel.asm["cubin"])
 
 
 def _tool(name, *args, data):
@@ -75,6 +78,27 @@ def resources(cubin, sass):
     return regs, ops
 
 
+def loops(sass, largest):
+    """The ``largest`` loops of ``sass`` by instructions: (instructions, the last line of our source before its
+    backward branch, usually the ``for``, Counter of the COUNTED ones)."""
+    ins, labels, found, where = [], {}, [], "?"
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ins)
+        source = re.search(r'//## File "([^"]+)", line (\d+)', line)
+        if source and os.sep + "triton" + os.sep not in source.group(1):  # Triton's own helpers, inlined
+            where = f"{os.path.basename(source.group(1))}:{source.group(2)}"
+        m = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)$", line)
+        if m:
+            ins.append(m.group(1).split(".")[0])
+            back = re.search(r"`\((\.L_x_\d+)\)", m.group(2))
+            if ins[-1] == "BRA" and back and labels.get(back.group(1), len(ins)) < len(ins):
+                body = ins[labels[back.group(1)]:]
+                found.append((len(body), where, Counter(op for op in body if op in COUNTED)))
+    return sorted(found, key=lambda f: -f[0])[:largest]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--sass-out", help="also write each kernel's SASS into this folder")
+    ap.add_argument("--loops", type=int, default=0, metavar="N", help="also print each kernel's N largest loops")
     args = ap.parse_args(argv)
     from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
@@ -100,6 +125,9 @@ def main(argv=None) -> int:
         # Registers go to a warp in units of 8 per thread; an SM holds at most 64 warps.
         per_sm = min(65536 // (-(-regs // 8) * 8 * 32 * args.warps), 64 // args.warps)
         print(f"{label:<28} {regs:>4} {per_sm:>7} " + " ".join(f"{ops[c]:>6}" for c in COUNTED), flush=True)
+        for size, where, counts in loops(sass, args.loops):
+            print(f"  loop at {where:<24} {size:>5} instructions  "
+                  + " ".join(f"{c} {counts[c]}" for c in COUNTED if counts[c]), flush=True)
     return 0
 
 

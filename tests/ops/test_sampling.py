@@ -294,6 +294,7 @@ def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
     monkeypatch.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
     assert run(x, specs, **kw).token_ids.tolist() != want
 
+
 class _NotLaunched:
     """A kernel whose launches do nothing: the pass it stands for is left out of the step."""
 
@@ -332,7 +333,6 @@ def test_a_candidate_of_more_than_one_minus_top_p_is_kept_without_the_rank_pass(
     specs = [SampleRow(SamplingParams(temperature=1.0, top_p=0.6), seed=808, position=i) for i in positions]
     assert run(np.tile(edge.astype(np.float32), (POSITIONS, 1)), specs, block=4, chunk=8).token_ids.tolist() == \
         want.tolist()
-
 
 
 def test_device_counts_follow_the_outputs_across_steps():

@@ -14,6 +14,7 @@ tokenizers have 512 tokens): half the rows allow 90% of the vocabulary (inside a
     python benchmarks/bench_sampler.py --rows 16 --vocab 200064
     python benchmarks/bench_sampler.py --engine              # bench_engine.py's workload at vocab 200,064
     python benchmarks/bench_sampler.py --device --rows 16 256  # torch + CUDA: device sampler vs the byte floor
+    python benchmarks/bench_sampler.py --device --launches --rows 256 --vocab 200064  # each launch of one step
 """
 
 from __future__ import annotations
@@ -411,6 +412,46 @@ def profile_device(args):
     return 0
 
 
+def launches_device(args):
+    """torch on a CUDA GPU: per setting and ``--rows``, three warm-up steps and then one step with the rows' seeds
+    and positions fixed (as ``bench_device`` sets them), each launch's GPU time in order (rank rounds and histogram
+    rounds one by one, where ``--profile`` sums them per kernel). Small enough to run under Nsight Compute, which
+    should skip to the warm-up steps' launches (torch's profiler and ncu both use CUPTI)::
+
+        ncu --clock-control none -k regex:_stats_kernel --launch-skip 2 --launch-count 1 \\
+            python benchmarks/bench_sampler.py --device --launches --rows 256 --vocab 200064 --settings greedy
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
+    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+
+    for vocab in args.vocab:
+        for rows in args.rows:
+            logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
+            for setting in args.settings:
+                specs = make_specs(rows, vocab, setting, args.seed)
+                for i, s in enumerate(specs):
+                    s.seed, s.position = 1000 + i, 17
+                bitmask = synthetic_masks(rows, vocab, args.seed + 1) if setting.endswith("mask") else None
+                counts = slots = None
+                if any(has_penalties(s.params) for s in specs):
+                    counts = PenaltyCounts(vocab, logits, capacity=rows)
+                    slots = counts.slots_for(specs)
+                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                for _ in range(3):
+                    sample_rows(logits, batch, counts)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    sample_rows(logits, batch, counts)
+                    torch.cuda.synchronize()
+                events = [(e.name, e.device_time_total) for e in prof.events() if e.device_time_total > 0]
+                print(f"vocab {vocab} R={rows} {setting}: {sum(t for _, t in events):.1f} us: "
+                      + ", ".join(f"{name.split('(')[0].strip()[:16]} {t:.1f}" for name, t in events), flush=True)
+    return 0
+
+
 # ---- end to end
 
 def bench_engine(args):
@@ -469,7 +510,11 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the device results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="device: also other chunk sizes")
     ap.add_argument("--profile", action="store_true", help="device: GPU time per kernel and the host's share")
+    ap.add_argument("--launches", action="store_true",
+                    help="device: each launch's GPU time in one fixed-seed step (a small program for ncu)")
     args = ap.parse_args()
+    if args.device and args.launches:
+        return launches_device(args)
     if args.device and args.profile:
         return profile_device(args)
     if args.device:

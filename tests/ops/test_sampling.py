@@ -335,6 +335,45 @@ def test_a_candidate_of_more_than_one_minus_top_p_is_kept_without_the_rank_pass(
         want.tolist()
 
 
+class _PendingAtFirstRank:
+    """The rank kernel, launched as usual, after noting which rows are still open at its first launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.pending = kernel, None
+
+    def __getitem__(self, grid):
+        from fastdeploy_ext.ops.sampling import triton_kernels as tk
+
+        def launch(*args, **meta):
+            if self.pending is None:
+                state = args[self.kernel.arg_names.index("state")].numpy().reshape(grid[0], tk.NUM_STATE.value)
+                self.pending = (state[:, tk.ST_PEND.value] == tk.PEND_TEST.value).tolist()
+            self.kernel[grid](*args, **meta)
+        return launch
+
+
+def test_a_candidate_whose_likelier_tokens_share_its_pieces_is_kept_without_the_rank_pass(monkeypatch):
+    """Tokens of ~0.45, 0.35 and 0.2 at top_p 0.6 (the 0.35 one inside the set but below 1 - top_p), the 0.2 token
+    in a piece of its own: only the pieces holding the 0.45 and 0.35 tokens can hold tokens ranked above the 0.35
+    one, so rows whose first candidate is either token are finished by the stats pass and rows whose candidate is
+    the 0.2 one wait for the rank pass; every row's token is the reference's."""
+    from fastdeploy_ext.ops.sampling import triton_kernels
+    from fastdeploy_ext.ops.sampling.reference import group_draw
+
+    edge = np.full(17, -6.0)
+    edge[[2, 9, 16]] = np.log([0.45, 0.35, 0.2])  # pieces of 8 (chunk 8): 0..7, 8..15, 16
+    positions = np.arange(POSITIONS)
+    want = reference_tokens(edge, 1.0, 0, 0.6, 0.0, 808, positions)
+    first = group_draw(np.tile(edge - edge.max(), (POSITIONS, 1)), 808, positions, 0)
+    assert set(want.tolist()) == {2, 9} and {2, 9, 16} <= set(first.tolist())
+    spy = _PendingAtFirstRank(triton_kernels._rank_kernel)
+    monkeypatch.setattr(triton_kernels, "_rank_kernel", spy)
+    specs = [SampleRow(SamplingParams(temperature=1.0, top_p=0.6), seed=808, position=i) for i in positions]
+    got = run(np.tile(edge.astype(np.float32), (POSITIONS, 1)), specs, block=4, chunk=8).token_ids
+    assert got.tolist() == want.tolist()
+    assert spy.pending == [bool(j not in (2, 9)) for j in first.tolist()]
+
+
 def test_device_counts_follow_the_outputs_across_steps():
     """The engine's DeviceSampler over 8 steps of one request with strong penalties: each token equals the
     reference's from the prompt and outputs so far, the counts row equals 2 * output count + prompt seen, and an

@@ -392,11 +392,14 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
 @triton.jit
 def _kept_at_once(p, pieces, r, R, NP, m, s_j, PIECE: tl.constexpr, NGP: tl.constexpr):
     """Whether a top-p / min-p row's first candidate ``j`` (value ``s_j``) is kept without a rank pass: ``e_j >=
-    min_p`` (the rank pass's own test), and for top-p ``e_j`` alone is more than ``1 - top_p`` of the row's mass
-    ``T`` (from the stats pass's pieces): ``j`` and the tokens ranked below it hold at least ``e_j``, so the mass
-    ranked above it is short of ``top_p · T``. The margin of ``2^-16 T`` covers the float32 sums of ``T`` here
-    and in the rank pass, which would keep ``j`` too. A peaked row (at top_p 0.95, a candidate of more than 5%)
-    mostly stops here; a min-p row stops here whenever its candidate passes."""
+    min_p`` (the rank pass's own test), and for top-p a bound on the mass ranked above ``j`` is short of ``top_p ·
+    T``, from the stats pass's pieces (each piece's largest value and mass): only pieces whose largest value reaches
+    ``s_j`` can hold a token ranked above ``j``, and ``j``'s own piece holds ``e_j`` that is not above it. The
+    pieces left out lie below ``s_j`` by more than both passes' roundings of ``s - m`` (an FMA may fuse it with the
+    temperature's product) and of ``exp``, so the rank pass ranks none of their tokens above ``j``; the margin of
+    ``2^-14 T`` covers the float32 sums of the pieces here and of ``A``, ``T`` in the rank pass, which would keep
+    ``j`` too. The bound is at most ``T - e_j``, so a candidate of more than ``1 - top_p`` of the mass always stops
+    here; on rows whose likelier tokens share few pieces, most other candidates in the set do too."""
     e_j = _e(s_j, m)
     kept = e_j >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
     if (tl.load(p + F_FLAGS) & FLAG_TOPP) != 0:
@@ -404,9 +407,12 @@ def _kept_at_once(p, pieces, r, R, NP, m, s_j, PIECE: tl.constexpr, NGP: tl.cons
         ok = j < NP
         pm = tl.load(pieces + r * NP + j, mask=ok, other=float("-inf"), cache_modifier=".cg")
         ps = tl.load(pieces + (R + r) * NP + j, mask=ok, other=0.0, cache_modifier=".cg")
-        total = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), 0)
-        rest = 1.0 - tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
-        kept = kept & (e_j > (rest + 0.0000152587890625) * total)
+        mass = tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0)
+        total = tl.sum(mass, 0)
+        gap = (tl.abs(s_j) + tl.abs(m)) * 0.00000095367431640625 + 0.000003814697265625  # 2^-20 |.|, 2^-18
+        above = tl.sum(tl.where(pm >= s_j - gap, mass, 0.0), 0) - e_j
+        top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
+        kept = kept & (above < (top_p - 0.00006103515625) * total)
     return kept
 
 

@@ -260,6 +260,26 @@ def bench_host(args):
 
 # ---- device
 
+def device_rows(logits, rows, vocab, setting, seed, masks, fixed):
+    """A setting's rows for the device sampler: (specs, bitmask, counts, slots, batch). ``fixed``: each row's seed
+    and position set (1000 + row, 17), so every step draws the same tokens; else rows draw from host generators.
+    Penalty rows get device counts built once (as in serving, where a request's row is built when it first
+    samples)."""
+    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch
+    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+
+    specs = make_specs(rows, vocab, setting, seed)
+    if fixed:
+        for i, s in enumerate(specs):
+            s.seed, s.position = 1000 + i, 17
+    bitmask = masks if setting.endswith("mask") else None
+    counts = slots = None
+    if any(has_penalties(s.params) for s in specs):
+        counts = PenaltyCounts(vocab, logits, capacity=rows)
+        slots = counts.slots_for(specs)
+    return specs, bitmask, counts, slots, SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+
+
 def bench_device(args):
     """torch on a CUDA GPU: per vocabulary and setting at each ``--rows``, the device sampler's step (parameters up,
     the kernels, ids and logprobs down; CUDA-event timing with the L2 flushed, triton.testing.do_bench), the byte
@@ -272,8 +292,7 @@ def bench_device(args):
     import torch
     import triton
 
-    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
-    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+    from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
 
     results = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -300,15 +319,8 @@ def bench_device(args):
             print(f"vocab {vocab}, R={rows}: byte floor {floor * 1e3:.1f} us ({nbytes / floor / 1e6:.0f} GB/s)",
                   flush=True)
             for setting in args.settings:
-                specs = make_specs(rows, vocab, setting, args.seed)
-                for i, s in enumerate(specs):
-                    s.seed, s.position = 1000 + i, 17
-                bitmask = masks if setting.endswith("mask") else None
-                counts = slots = None
-                if any(has_penalties(s.params) for s in specs):
-                    counts = PenaltyCounts(vocab, logits, capacity=rows)
-                    slots = counts.slots_for(specs)
-                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                specs, bitmask, counts, slots, batch = device_rows(logits, rows, vocab, setting, args.seed, masks,
+                                                                   fixed=True)
                 t_build = triton.testing.do_bench(
                     lambda: SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots))
                 entry = dict(vocab=vocab, rows=rows, setting=setting, floor_us=floor * 1e3, build_us=t_build * 1e3)
@@ -340,8 +352,7 @@ def profile_device(args):
     from torch.profiler import ProfilerActivity, profile
 
     from fastdeploy_ext.ops import launch
-    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
-    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+    from fastdeploy_ext.ops.sampling import sample_rows
 
     steps = 20
     probe = torch.zeros(8, device="cuda")
@@ -369,13 +380,7 @@ def profile_device(args):
             masks = synthetic_masks(rows, vocab, args.seed + 1)
             floor = triton.testing.do_bench(lambda: logits.amax(dim=1)) * 1e3
             for setting in args.settings:
-                specs = make_specs(rows, vocab, setting, args.seed)
-                bitmask = masks if setting.endswith("mask") else None
-                counts = slots = None
-                if any(has_penalties(s.params) for s in specs):
-                    counts = PenaltyCounts(vocab, logits, capacity=rows)
-                    slots = counts.slots_for(specs)
-                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                _, _, counts, _, batch = device_rows(logits, rows, vocab, setting, args.seed, masks, fixed=False)
                 line = []
                 for chunk, block, warps in configs:
                     t = triton.testing.do_bench(
@@ -424,22 +429,14 @@ def launches_device(args):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fastdeploy_ext.ops.sampling import PenaltyCounts, SamplingBatch, sample_rows
-    from fastdeploy_ext.ops.sampling.launcher import has_penalties
+    from fastdeploy_ext.ops.sampling import sample_rows
 
     for vocab in args.vocab:
         for rows in args.rows:
             logits = torch.from_numpy(random_logits(rows, vocab, args.seed)).cuda()
             for setting in args.settings:
-                specs = make_specs(rows, vocab, setting, args.seed)
-                for i, s in enumerate(specs):
-                    s.seed, s.position = 1000 + i, 17
-                bitmask = synthetic_masks(rows, vocab, args.seed + 1) if setting.endswith("mask") else None
-                counts = slots = None
-                if any(has_penalties(s.params) for s in specs):
-                    counts = PenaltyCounts(vocab, logits, capacity=rows)
-                    slots = counts.slots_for(specs)
-                batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                masks = synthetic_masks(rows, vocab, args.seed + 1) if setting.endswith("mask") else None
+                _, _, counts, _, batch = device_rows(logits, rows, vocab, setting, args.seed, masks, fixed=True)
                 for _ in range(3):
                     sample_rows(logits, batch, counts)
                 torch.cuda.synchronize()

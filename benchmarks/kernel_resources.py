@@ -32,12 +32,12 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 out="*i32", gbuf="*i64", mods="*i32", entries="*i32", slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=256, PIECE=8192, NGP=32, DRAW=True,
-                 LSE=False, KSEL=False, ROOM=512, NPP=32, CHUNK=32768)
+                 LSE=False, KSEL=False, COUNT=False, ROOM=512, NPP=32, CHUNK=32768)
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
     "logprobs": dict(LSE=True, TOPS=True),
-    "top-k": dict(DRAW=False, KSEL=True),
+    "top-k": dict(DRAW=False, KSEL=True, COUNT=True),
 }
 KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")
 COUNTED = ("LDG", "LDGSTS", "STG", "ATOMG", "MUFU", "BAR", "SHFL", "STL", "LDL")

@@ -492,6 +492,35 @@ def test_failed_rows_report_errors_and_the_others_sample():
     assert isinstance(errors[1], FloatingPointError) and isinstance(errors[2], ValueError)
 
 
+def test_tokens_at_the_lowest_finite_logit_are_allowed():
+    """The stats pass's running maxima start at float32's lowest finite value: tokens exactly there are allowed
+    tokens like any other, in lanes that see nothing else, in rows that are nothing else, and beside -inf ones."""
+    low = float(np.finfo(np.float32).min)
+    vocab = 257
+    rng = np.random.default_rng(17)
+    x = np.full((5, vocab), -np.inf, np.float32)
+    ids = [3, 100, 101, 250]
+    x[:, ids] = low
+    x[4] = rng.standard_normal(vocab).astype(np.float32)
+    x[4, ::2] = low  # every other lane of each block sees only the lowest value
+    settings = [dict(temperature=1.0), dict(temperature=1.0, top_p=0.6), dict(temperature=0.0),
+                dict(temperature=1.0, logprobs=2), dict(temperature=1.0, top_p=0.9, logprobs=3)]
+    specs = [SampleRow(SamplingParams(**s), seed=40 + i, position=i) for i, s in enumerate(settings)]
+    out = run(x, specs)
+    assert (out.error_codes == 0).all()
+    for r, spec in enumerate(specs):
+        p = spec.params
+        want = reference_sample(x[r].astype(np.float64), p.temperature, p.top_k, p.top_p, p.min_p, spec.seed,
+                                spec.position)
+        assert out.token_ids[r] == want, (r, p)
+    assert out.token_ids[2] == 3  # greedy: the lowest id among the equal maxima
+    lp = out.logprob_dicts()[3]
+    assert set(lp) <= set(ids) and abs(lp[int(out.token_ids[3])] - np.log(0.25)) < 1e-5
+    want = top_logprobs(log_softmax(x[4].astype(np.float64)[None])[0], 3, int(out.token_ids[4]))
+    got = out.logprob_dicts()[4]
+    assert list(got) == list(want) and max(abs(got[t] - want[t]) for t in want) < 1e-4
+
+
 def test_paddle_rows_through_the_engine_sampler():
     """The engine's DeviceSampler on a Paddle tensor's rows (the runner's DeviceRow), against the torch call."""
     import paddle

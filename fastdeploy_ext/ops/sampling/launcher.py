@@ -373,7 +373,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                                                  vocab, chunks, num_pieces],
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, CAND=cand,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
-               LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), num_warps=warps)
+               LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), COUNT=bool((flags & FLAG_TOPK).any()),
+               num_warps=warps)
     if gathered.any():
         ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, tops, out, vocab, chunks], BLOCK=block,
                    ITERS=iters, KP=kp, TOPS=tops_on, ROOM=room, num_warps=warps)

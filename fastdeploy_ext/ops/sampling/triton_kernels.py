@@ -43,7 +43,7 @@ FILTERS = tl.constexpr(15)  # greedy or any filter: the stats pass does not fini
 P_MAX, P_RMAX, P_RSUM, P_ARG, P_NAN, P_CNT, P_BEST, P_BID, P_TIES, P_KTH = (tl.constexpr(i) for i in range(10))
 NUM_PLANES = tl.constexpr(10)
 # Per-row results of _combine_row, float32 planes (ints as bits).
-S_M, S_LSE, S_TOK, S_ERR = (tl.constexpr(i) for i in range(4))
+S_M, S_LSE, S_RMAX, S_ERR = (tl.constexpr(i) for i in range(4))
 NUM_STATS = tl.constexpr(4)
 # The threshold search's per-row state, int64.
 (ST_PHASE, ST_LO, ST_HI, ST_SHIFT, ST_FLOOR, ST_ACNT, ST_AMASS, ST_TARGET, ST_THR, ST_NEED, ST_PEND, ST_CAND,
@@ -62,6 +62,8 @@ ERR_NAN = tl.constexpr(1)
 ERR_NONE_ALLOWED = tl.constexpr(2)
 ONE_KEY = tl.constexpr(0x3F800000)  # the bit pattern of 1.0f: e = exp(s - max) lies in [0, 1]
 BIG = tl.constexpr(2147483647)
+LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's lowest finite value: where running maxima start
+LOG2E = tl.constexpr(1.4426950408889634)
 # Histogram rounds: keys >> 19 (2033 buckets over [0, 1]), then >> 8 inside one of them, then single keys.
 NUM_BUCKETS = tl.constexpr(2048)
 SHIFT1 = tl.constexpr(19)
@@ -150,11 +152,20 @@ def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
 
 
 @triton.jit
+def _exp(x):
+    """``exp(x)`` as ``2^(x log2(e))`` with results below 2^-126 flushed to zero: a multiply and one MUFU.EX2 per
+    value, where ``tl.exp`` adds a rescaling of such results (four instructions, on the streaming passes' hottest
+    lines). Larger results are the same bits as ``tl.exp``'s on a GPU (it multiplies by log2(e) too). A flushed
+    term is below float32's resolution of any sum it joins: a row's mass is at least 1 (its maximum's)."""
+    return tl.math.exp2(x * LOG2E)
+
+
+@triton.jit
 def _e(s, m):
     """``exp(s - m)`` clamped to 1: on a GPU the compiler may contract ``x * inv_t - m`` into one FMA, and the
     row's own maximum then comes out a rounding step above 1, outside the first search round's key range, where
     a top-p search would leave it out of the mass it counts."""
-    return tl.minimum(tl.exp(s - m), 1.0)
+    return tl.minimum(_exp(s - m), 1.0)
 
 
 @triton.jit
@@ -269,22 +280,26 @@ def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLO
 
 
 @triton.jit
-def _online_lse(v, ok, lmax, lsum):
-    """Per lane, a running maximum of ``v`` where ``ok`` and the sum of ``exp(v - maximum)``: one exponential per
-    value (``exp(-|v - maximum|)`` either scales the sum to a new maximum or is the value's term)."""
-    d = tl.where(ok, v - lmax, 0.0)
+def _online_lse(v, lmax, lsum):
+    """Per lane, a running maximum of ``v`` (from LOWEST) and the sum of ``exp(v - maximum)``: one exponential per
+    value (``exp(-|v - maximum|)`` either scales the sum to a new maximum or is the value's term). The finite start
+    needs no mask for -inf values: their term is ``exp(-inf) = 0``, where ``-inf - -inf`` would be NaN. A lane
+    whose sum is 0 has seen no finite value. Returns (where ``v`` raised the maximum: ties keep the first, the
+    maximum, the sum)."""
+    d = v - lmax
     grow = d > 0
-    e = tl.exp(-tl.abs(d))
-    lsum = tl.where(ok, tl.where(grow, lsum * e + 1.0, lsum + e), lsum)
-    lmax = tl.where(ok & grow, v, lmax)
-    return lmax, lsum
+    e = _exp(-tl.abs(d))
+    lsum = tl.where(grow, lsum * e + 1.0, lsum + e)
+    lmax = tl.where(grow, v, lmax)
+    return grow, lmax, lsum
 
 
 @triton.jit
 def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, cands,
                   ccnt, stats, state, hcnt, hmass, pieces, out, V, C, NP, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr,
-                  PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr):
+                  PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
+                  COUNT: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
@@ -292,7 +307,9 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     piece. ``DRAW`` / ``LSE``: whether any row of the batch draws here / wants logprobs (a batch without leaves their
     registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
-    it)."""
+    it). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
+    row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
+    pay for one running maximum, not two."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -306,10 +323,10 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     lmax = tl.full([BLOCK], float("-inf"), tl.float32)
     larg = tl.full([BLOCK], BIG, tl.int32)
     lcnt = tl.zeros([BLOCK], tl.int32)
-    lnan = tl.zeros([BLOCK], tl.int32)
-    lrmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    lnan = tl.zeros([BLOCK], tl.float32)
+    lrmax = tl.full([BLOCK], LOWEST, tl.float32)
     lrsum = tl.zeros([BLOCK], tl.float32)
-    pm = tl.full([BLOCK], float("-inf"), tl.float32)
+    pm = tl.full([BLOCK], LOWEST, tl.float32)
     ps = tl.zeros([BLOCK], tl.float32)
     R = tl.num_programs(0)
     if TOPS:
@@ -324,38 +341,41 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         if wrow >= 0:
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
                           other=float("-inf")).to(tl.float32)
-        lnan = lnan | (raw != raw).to(tl.int32)
-        allowed = s > float("-inf")
-        lcnt += allowed.to(tl.int32)
-        up = s > lmax  # strictly: a lane keeps its first (lowest) id among equal values
-        larg = tl.where(up, offs, larg)
-        lmax = tl.where(up, s, lmax)
+        lnan = tl.maximum(lnan, raw, propagate_nan=tl.PropagateNan.ALL)  # NaN once a lane sees one
+        if COUNT:
+            lcnt += (s > float("-inf")).to(tl.int32)
         if LSE:
             if nlp >= 0:
+                up, lrmax, lrsum = _online_lse(raw, lrmax, lrsum)
                 if TOPS:
-                    lrarg = tl.where(raw > lrmax, offs, lrarg)
-                lrmax, lrsum = _online_lse(raw, raw > float("-inf"), lrmax, lrsum)
+                    lrarg = tl.where(up, offs, lrarg)  # the lane's first id of its raw maximum
         if fused:
             # The two-level draw's log-masses per piece of the row, reduced where a piece ends.
-            pm, ps = _online_lse(s, allowed, pm, ps)
+            _, pm, ps = _online_lse(s, pm, ps)
             if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+                lmax = tl.maximum(lmax, tl.where(ps > 0.0, pm, float("-inf")))
                 gm = tl.max(pm, 0)
-                gs = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - gm), 0.0), 0)
+                gs = tl.sum(ps * _exp(pm - gm), 0)
                 piece = start // PIECE
-                tl.store(pieces + r * NP + piece, gm)
+                tl.store(pieces + r * NP + piece, tl.where(gs > 0.0, gm, float("-inf")))
                 tl.store(pieces + (R + r) * NP + piece, gs)
-                pm = tl.full([BLOCK], float("-inf"), tl.float32)
+                pm = tl.full([BLOCK], LOWEST, tl.float32)
                 ps = tl.zeros([BLOCK], tl.float32)
+        else:
+            up = s > lmax  # strictly: a lane keeps its first (lowest) id among equal values
+            larg = tl.where(up, offs, larg)
+            lmax = tl.where(up, s, lmax)
     m = tl.max(lmax, 0)
     arg = tl.min(tl.where(lmax == m, larg, BIG), 0)
     base = part + r * C + c
     plane = tl.num_programs(0) * C
     tl.store(base + P_MAX * plane, m)
     rm = tl.max(lrmax, 0)
-    tl.store(base + P_RMAX * plane, rm)
-    tl.store(base + P_RSUM * plane, tl.sum(tl.where(lrmax > float("-inf"), lrsum * tl.exp(lrmax - rm), 0.0), 0))
+    rs = tl.sum(lrsum * _exp(lrmax - rm), 0)
+    tl.store(base + P_RMAX * plane, tl.where(rs > 0.0, rm, float("-inf")))
+    tl.store(base + P_RSUM * plane, rs)
     tl.store(base + P_ARG * plane, arg.to(tl.float32, bitcast=True))
-    tl.store(base + P_NAN * plane, tl.max(lnan, 0).to(tl.float32, bitcast=True))
+    tl.store(base + P_NAN * plane, tl.max((lnan != lnan).to(tl.int32), 0).to(tl.float32, bitcast=True))
     tl.store(base + P_CNT * plane, tl.sum(lcnt, 0).to(tl.float32, bitcast=True))
     if KSEL:
         top_k = tl.load(p + F_TOP_K)
@@ -369,14 +389,14 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, _packed(lrmax, lrarg, V), BLOCK, ITERS,
                         KP, CAND)
     if _last_of_row(prm, r):
-        token, err, lse, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
+        token, err, rm, lrel, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
         kept = False
         if fused & (err == 0):
             st = state + r * NUM_STATE
-            g = _pick_group(pieces, pieces + R * NP, r, NP, V, k0, k1, pos, 0, PIECE, NGP)
+            g = _pick_group(pieces, pieces + R * NP, r, NP, V, m, k0, k1, pos, 0, PIECE, NGP)
             cand = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, 0.0, 0, -1, BLOCK)
+                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, m, 0, -1, BLOCK)
             tl.store(st + ST_CAND, cand.to(tl.int64))
             if (flags & (FLAG_TOPP | FLAG_MINP)) != 0:
                 _, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
@@ -386,7 +406,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                     tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
             token = cand
         if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0) | kept:
-            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, V, C, KP, TOPS)
+            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, rm, lrel, V, C, KP, TOPS)
 
 
 @triton.jit
@@ -407,7 +427,7 @@ def _kept_at_once(p, pieces, r, R, NP, m, s_j, PIECE: tl.constexpr, NGP: tl.cons
         ok = j < NP
         pm = tl.load(pieces + r * NP + j, mask=ok, other=float("-inf"), cache_modifier=".cg")
         ps = tl.load(pieces + (R + r) * NP + j, mask=ok, other=0.0, cache_modifier=".cg")
-        mass = tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0)
+        mass = tl.where(pm > float("-inf"), ps * _exp(pm - m), 0.0)
         total = tl.sum(mass, 0)
         gap = (tl.abs(s_j) + tl.abs(m)) * 0.00000095367431640625 + 0.000003814697265625  # 2^-20 |.|, 2^-18
         above = tl.sum(tl.where(pm >= s_j - gap, mass, 0.0), 0) - e_j
@@ -422,7 +442,8 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors); the row's histograms
     zeroed and its threshold search set up; a top-k row with k <= KMAX (when ``KSEL``) set up for the gather
     above its bound: the largest of its chunks' bounds, since one chunk holds k tokens at or above it. Returns
-    (arg-max, error code, log-sum-exp, max s)."""
+    (arg-max, error code, the raw maximum, log of the raw row's sum of exp(x - that maximum), max s): a logprob
+    is ``(x - maximum) - log-sum``, exact near 0 where ``x - log-sum-exp`` would lose it at large logits."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
@@ -435,7 +456,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     p_rmax = tl.load(base + P_RMAX * plane, mask=cm, other=float("-inf"), cache_modifier=".cg")
     rm = tl.max(p_rmax, 0)
     p_rsum = tl.load(base + P_RSUM * plane, mask=cm, other=0.0, cache_modifier=".cg")
-    lse = rm + tl.log(tl.sum(tl.where(p_rmax > float("-inf"), p_rsum * tl.exp(p_rmax - rm), 0.0), 0))
+    lrel = tl.log(tl.sum(tl.where(p_rmax > float("-inf"), p_rsum * _exp(p_rmax - rm), 0.0), 0))
     nan = tl.max(tl.load(base + P_NAN * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True),
                  0)
     allowed = tl.sum(tl.load(base + P_CNT * plane, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32,
@@ -444,8 +465,8 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     flags = tl.load(prm + r * NUM_FIELDS + F_FLAGS)
     token = arg
     tl.store(stats + S_M * R + r, m)
-    tl.store(stats + S_LSE * R + r, lse)
-    tl.store(stats + S_TOK * R + r, token.to(tl.float32, bitcast=True))
+    tl.store(stats + S_LSE * R + r, lrel)
+    tl.store(stats + S_RMAX * R + r, rm)
     tl.store(stats + S_ERR * R + r, err.to(tl.float32, bitcast=True))
     top_k = tl.load(prm + r * NUM_FIELDS + F_TOP_K)
     phase = tl.full([], PHASE_DONE, tl.int64)
@@ -478,14 +499,16 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
         gkey = tl.maximum(_e(bound, m).to(tl.int32, bitcast=True) - KEY_SLACK, 0)
         tl.store(st + ST_GKEY, gkey.to(tl.int64))
         tl.store(st + ST_GCNT, tl.zeros([], tl.int64))
-    return token, err, lse, m
+    return token, err, rm, lrel, m
 
 
 @triton.jit
-def _pick_group(pmax, psum, r, NP, V, k0, k1, pos, stream, PIECE: tl.constexpr, NGP: tl.constexpr):
-    """The two-level draw's group: the Gumbel-max (group noise of ``stream``) of the groups' log-masses, each
-    combined from its pieces' (maximum, sum of exp(s - maximum)) in ``pmax`` / ``psum`` (row ``r``, ``NP`` pieces
-    of PIECE tokens; ``psum`` alone with ``pmax`` None: plain masses)."""
+def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexpr, NGP: tl.constexpr):
+    """The two-level draw's group: the Gumbel-max (group noise of ``stream``) of the groups' log-masses relative to
+    the row's maximum ``m``, each combined from its pieces' (maximum, sum of exp(s - maximum)) in ``pmax`` / ``psum``
+    (row ``r``, ``NP`` pieces of PIECE tokens; ``psum`` alone with ``pmax`` None: plain masses of ``exp(s - m)``).
+    Every draw adds its noise to values relative to ``m``, near 0 for the likely ones, where float32 keeps the noise
+    at any magnitude of the logits (at -3e38 it would add nothing)."""
     GP: tl.constexpr = GROUP // PIECE
     g = tl.arange(0, NGP)
     k = tl.arange(0, GP)
@@ -497,8 +520,8 @@ def _pick_group(pmax, psum, r, NP, V, k0, k1, pos, stream, PIECE: tl.constexpr, 
     else:
         pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         top = tl.max(pm, 1)
-        mass = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - top[:, None]), 0.0), 1)
-        lse = tl.where(top > float("-inf"), top + tl.log(mass), float("-inf"))
+        mass = tl.sum(tl.where(pm > float("-inf"), ps * _exp(pm - top[:, None]), 0.0), 1)
+        lse = tl.where(top > float("-inf"), (top - m) + tl.log(mass), float("-inf"))
     score = tl.where(g < tl.cdiv(V, GROUP), lse + _gumbel(k0, k1, pos, 0, stream, NGP, 1), float("-inf"))
     best = tl.max(score, 0)
     return tl.min(tl.where(score == best, g, NGP), 0)
@@ -507,8 +530,8 @@ def _pick_group(pmax, psum, r, NP, V, k0, k1, pos, stream, PIECE: tl.constexpr, 
 @triton.jit
 def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
                  freq, pres, inv_t, g, V, k0, k1, pos, stream, m, bkey, bound, BLOCK: tl.constexpr):
-    """The Gumbel-max (token noise of ``stream``) over group ``g``'s allowed tokens; with ``bound`` >= 0 only
-    those ranked above token ``bound`` (``key(exp(s - m))`` above ``bkey``, or equal and a lower id)."""
+    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens; with ``bound`` >= 0
+    only those ranked above token ``bound`` (``key(exp(s - m))`` above ``bkey``, or equal and a lower id)."""
     best = float("-inf")
     bid = BIG
     for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
@@ -520,7 +543,7 @@ def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         if bound >= 0:
             key = _e(s, m).to(tl.int32, bitcast=True)
             keep = keep & ((key > bkey) | ((key == bkey) & (offs < bound)))
-        score = tl.where(keep, s + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
+        score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
         bm = tl.max(score, 0)
         bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
         bid = tl.where(bm > best, bidx, bid)
@@ -604,7 +627,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             if keep:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
-                            tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
             elif last_round != 0:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 tl.store(st + ST_RND, stream)
@@ -616,7 +639,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
                 k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
                 pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-                g = _pick_group(None, pieces + R * NP, r, NP, V, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
+                g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
                 nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                    mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, stream.to(tl.uint32), m, kc,
                                    cand, BLOCK)
@@ -678,12 +701,12 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
                 noise = _gumbel_at(tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True),
                                    tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True),
                                    tl.load(p + F_POS).to(tl.uint32, bitcast=True), ids, 0)
-                score = tl.where(kept, s + noise, float("-inf"))
+                score = tl.where(kept, (s - m) + noise, float("-inf"))
                 token = tl.min(tl.where(score == tl.max(score, 0), ids, BIG), 0)
                 tl.store(st + ST_PHASE, tl.full([], PHASE_DONE, tl.int64))
                 tl.store(st + ST_DRAW, tl.zeros([], tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, 0,
-                            tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
             tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
 
 
@@ -867,7 +890,7 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 keep = keep & ((key > thr) | (rank < need))
                 seen += tl.sum(tie.to(tl.int32), 0)
             if tl.max(keep.to(tl.int32), 0) > 0:  # a filtered row keeps few blocks: the others skip the noise
-                score = tl.where(keep, s + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
+                score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
                 bm = tl.max(score, 0)
                 bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
                 bid = tl.where(bm > best, bidx, bid)
@@ -883,14 +906,15 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                          cache_modifier=".cg").to(tl.int32, bitcast=True)
             token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
             _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
-                        tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                        tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
 
 
 @triton.jit
-def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, lse, V, C, KP: tl.constexpr,
+def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, rm, lrel, V, C, KP: tl.constexpr,
                 TOPS: tl.constexpr):
     """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)
-    merged from the chunks' lists; the token counted (+2) in the row's counts and marked in its presence bits."""
+    merged from the chunks' lists (``rm``, ``lrel``: the raw row's maximum and log-sum, ``_combine_row``); the token
+    counted (+2) in the row's counts and marked in its presence bits."""
     p = prm + r * NUM_FIELDS
     token = tl.where(err == 0, token, 0)
     o = out + r * (3 + 2 * KP)
@@ -904,7 +928,7 @@ def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, er
     if (nlp >= 0) & (err == 0):
         row = tl.load(p + F_ROW)
         x = tl.load(logits + row.to(tl.int64) * stride_l + token).to(tl.float32)
-        tl.store(o + 2, (x - lse).to(tl.int32, bitcast=True))
+        tl.store(o + 2, ((x - rm) - lrel).to(tl.int32, bitcast=True))
         if TOPS:
             if nlp > 0:
                 run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
@@ -915,7 +939,7 @@ def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, er
                 ids = -(run & 0xFFFFFFFF).to(tl.int32) + BIG
                 val = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                 tl.store(o + 3 + tl.arange(0, KP), ids)
-                tl.store(o + 3 + KP + tl.arange(0, KP), (val - lse).to(tl.int32, bitcast=True))
+                tl.store(o + 3 + KP + tl.arange(0, KP), ((val - rm) - lrel).to(tl.int32, bitcast=True))
 
 
 @triton.jit

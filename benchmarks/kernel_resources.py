@@ -9,7 +9,9 @@ block of BLOCK tokens, branches inside a loop included whether they run or not.
 
 The kernels are specialised as ``sample_rows`` launches them at R=256 and vocab 200,064 (chunks of 32,768, blocks
 of 1,024, 4 warps; integer arguments divisible by 16 marked so, as Triton's launcher does); ``--variant`` picks the
-stats kernel's specialisation (which rows the batch holds).
+stats kernel's specialisation (which rows the batch holds). The passes after the first rank round take 8 rows per
+program (``LATE_ROWS``), as a batch without top-k rows launches them (with top-k rows the search, ties and draw take
+one, like the first rank round).
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --variant logprobs --sass-out /tmp/sass
@@ -32,7 +34,7 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 out="*i32", gbuf="*i64", mods="*i32", entries="*i32", slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=256, PIECE=8192, NGP=32, DRAW=True,
-                 LSE=False, KSEL=False, COUNT=False, ROOM=512, NPP=32, CHUNK=32768)
+                 LSE=False, KSEL=False, COUNT=False, RPP=8, ROOM=512, NPP=32, CHUNK=32768)
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
     from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
     jobs = [(f"_stats_kernel [{v}]", "_stats_kernel", VARIANTS[v]) for v in args.variant]
-    jobs += [(name, name, {}) for name in KERNELS[1:]]
+    jobs += [("_rank_kernel [round 1]", "_rank_kernel", dict(RPP=1))]
+    jobs += [(name + (" [later]" if name == "_rank_kernel" else ""), name, {}) for name in KERNELS[1:]]
     print(f"{'kernel':<28} {'regs':>4} {'prog/SM':>7} " + " ".join(f"{c:>6}" for c in COUNTED), flush=True)
     for label, name, extra in jobs:
         constants = {**CONSTANTS, "BLOCK": args.block, "ITERS": CONSTANTS["CHUNK"] // args.block, **extra}

@@ -31,6 +31,10 @@ SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample
 TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (at most 32 per list entry)
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
+# Rows per program of the passes that only rows left open reach (rank rounds after the first, a top-p row's fallback
+# search and draw): one program checks 8 rows' states in one load, where a program per row would cost each
+# finished row a program (the loop over rows costs registers: these passes run 2-4 programs per SM instead of 3-8).
+LATE_ROWS = 8
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
@@ -383,26 +387,28 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         rounds = [(chunk, chunks, piece, num_pieces)] + [(late_chunk, late_chunks, late_piece, late_pieces)] * (
             CANDIDATES - 1)
         for n_cand, (c_n, cs_n, p_n, np_n) in enumerate(rounds):
-            ops.launch(tk._rank_kernel, (n, cs_n),
+            rpp = 1 if n_cand == 0 else LATE_ROWS
+            ops.launch(tk._rank_kernel, (-(-n // rpp), cs_n),
                        values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, cs_n, chunks, np_n,
-                                 int(n_cand == CANDIDATES - 1)],
+                                 int(n_cand == CANDIDATES - 1), n],
                        NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=kp, TOPS=tops_on, PIECE=p_n,
-                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)
+                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), RPP=rpp, num_warps=warps)
     if not (flags & FLAG_TOPK).any():  # only fallen-back rows search and draw below
-        grid, iters, chunks_d = (n, late_chunks), late_chunk // block, late_chunks
+        rpp, iters, chunks_d = LATE_ROWS, late_chunk // block, late_chunks
     else:
-        chunks_d = chunks
+        rpp, chunks_d = 1, chunks
+    grid = (-(-n // rpp), chunks_d)
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold
     searching = (flags & (FLAG_TOPK | FLAG_TOPP)) != 0
     for _ in range(ROUNDS_PER_SEARCH * (2 if both.any() else 1) if searching.any() else 0):
-        ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab], NB=NUM_BUCKETS, BLOCK=block,
-                   ITERS=iters, num_warps=warps)
+        ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab, n], NB=NUM_BUCKETS,
+                   BLOCK=block, ITERS=iters, RPP=rpp, num_warps=warps)
     if (flags & FLAG_TOPP).any():
-        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks_d], BLOCK=block, ITERS=iters,
-                   num_warps=warps)
+        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks_d, n], BLOCK=block,
+                   ITERS=iters, RPP=rpp, num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
-        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks_d, chunks], CP=cp,
-                   BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, num_warps=warps)
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks_d, chunks, n], CP=cp,
+                   BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, RPP=rpp, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)

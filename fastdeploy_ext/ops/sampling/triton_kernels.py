@@ -220,12 +220,12 @@ def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries,
 
 
 @triton.jit
-def _last_of_row(prm, r):
+def _last_of_row(prm, r, R):
     """Whether this program is the last of row ``r``'s (row, chunk) programs to get here; the last one resets the
     row's ticket for the next pass. The barrier orders every thread's stores before the ticket (an acq_rel atomic)
     that publishes them, so the last program reads the others' partials."""
     tl.debug_barrier()
-    tick = prm + tl.num_programs(0) * NUM_FIELDS + r
+    tick = prm + R * NUM_FIELDS + r
     last = tl.atomic_add(tick, 1) == tl.num_programs(1) - 1
     if last:
         tl.store(tick, 0)
@@ -388,7 +388,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         if nlp > 0:
             _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, _packed(lrmax, lrarg, V), BLOCK, ITERS,
                         KP, CAND)
-    if _last_of_row(prm, r):
+    if _last_of_row(prm, r, R):
         token, err, rm, lrel, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
         kept = False
@@ -571,80 +571,96 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 
 
 @triton.jit
+def _row_states(state, field, R, closed, RPP: tl.constexpr):
+    """State ``field`` of this program's RPP rows (``program_id(0) * RPP + j``; ``closed`` past R) in one load. The
+    launches after the first rank round run for the few rows still open; their programs check RPP rows at once,
+    where one program per row would cost each finished row a program's launch and the latency of a load."""
+    rows = tl.program_id(0) * RPP + tl.arange(0, RPP)
+    return tl.load(state + rows * NUM_STATE + field, mask=rows < R, other=closed)
+
+
+@triton.jit
+def _state_of(states, jr, RPP: tl.constexpr):
+    """Row ``jr``'s entry of ``_row_states``."""
+    return tl.sum(tl.where(tl.arange(0, RPP) == jr, states, 0), 0)
+
+
+@triton.jit
 def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, pieces, tops, out, V, C, CT, NP, last_round, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 hmass, pieces, tops, out, V, C, CT, NP, last_round, R, NB: tl.constexpr, BLOCK: tl.constexpr,
                  ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr,
-                 NPP: tl.constexpr):
+                 NPP: tl.constexpr, RPP: tl.constexpr):
     """The rank test of a top-p / min-p row's candidate ``j`` (row, chunk): per piece the masses of the allowed
     tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps
     ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and finishes the row; else it
     draws the next candidate from the tokens above ``j`` (the two-level draw over those masses) for the next
     round, or after the last round sets up the threshold search and ``_draw_kernel``."""
-    r = tl.program_id(0)
     c = tl.program_id(1)
-    st = state + r * NUM_STATE
-    if tl.load(st + ST_PEND) == PEND_TEST:
-        R = tl.num_programs(0)
-        m = tl.load(stats + S_M * R + r)
-        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
-        cand = tl.load(st + ST_CAND).to(tl.int32)
-        one = cand + tl.zeros([2], tl.int32)
-        x1, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
-                         rep, freq, pres, inv_t, one, V)
-        kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
-        fa = tl.zeros([BLOCK], tl.float32)
-        ft = tl.zeros([BLOCK], tl.float32)
-        nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
-        for i in range(nblk):
-            start = (c * ITERS + i) * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
-            e = _e(s, m)
-            key = e.to(tl.int32, bitcast=True)
-            ok = (s > float("-inf")) & (offs < V)
-            up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
-            fa += tl.where(up, e, 0.0)
-            ft += tl.where(ok, e, 0.0)
-            if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
-                tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
-                tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
-                fa = tl.zeros([BLOCK], tl.float32)
-                ft = tl.zeros([BLOCK], tl.float32)
-        if _last_of_row(prm, r):
-            # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
-            js = tl.arange(0, NPP)
-            a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
-            t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
-            p = prm + r * NUM_FIELDS
-            flags = tl.load(p + F_FLAGS)
-            top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
-            keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
-            if (flags & FLAG_TOPP) != 0:
-                # j is in the top-p set when the mass before it is short of top_p (the first token always is).
-                keep = keep & ((a == 0.0) | (a < top_p * t))
-            stream = tl.load(st + ST_RND) + 1
-            if keep:
-                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
-                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
-                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
-            elif last_round != 0:
-                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
-                tl.store(st + ST_RND, stream)
-                tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
+    states = _row_states(state, ST_PEND, R, PEND_NONE, RPP)
+    for jr in range(RPP):
+        r = tl.program_id(0) * RPP + jr
+        st = state + r * NUM_STATE
+        if _state_of(states, jr, RPP) == PEND_TEST:
+            m = tl.load(stats + S_M * R + r)
+            row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+            cand = tl.load(st + ST_CAND).to(tl.int32)
+            one = cand + tl.zeros([2], tl.int32)
+            x1, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                             slot, rep, freq, pres, inv_t, one, V)
+            kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
+            fa = tl.zeros([BLOCK], tl.float32)
+            ft = tl.zeros([BLOCK], tl.float32)
+            nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+            for i in range(nblk):
+                start = (c * ITERS + i) * BLOCK
+                offs = start + tl.arange(0, BLOCK)
+                x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                     mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+                e = _e(s, m)
+                key = e.to(tl.int32, bitcast=True)
+                ok = (s > float("-inf")) & (offs < V)
+                up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
+                fa += tl.where(up, e, 0.0)
+                ft += tl.where(ok, e, 0.0)
+                if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+                    tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
+                    tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
+                    fa = tl.zeros([BLOCK], tl.float32)
+                    ft = tl.zeros([BLOCK], tl.float32)
+            if _last_of_row(prm, r, R):
+                # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
+                js = tl.arange(0, NPP)
+                a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+                t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+                p = prm + r * NUM_FIELDS
+                flags = tl.load(p + F_FLAGS)
+                top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
+                keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
                 if (flags & FLAG_TOPP) != 0:
-                    _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
-                                  NB)
-            else:
-                k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
-                k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
-                pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-                g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
-                nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                   mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, stream.to(tl.uint32), m, kc,
-                                   cand, BLOCK)
-                tl.store(st + ST_CAND, nxt.to(tl.int64))
-                tl.store(st + ST_RND, stream)
+                    # j is in the top-p set when the mass before it is short of top_p (the first token always is).
+                    keep = keep & ((a == 0.0) | (a < top_p * t))
+                stream = tl.load(st + ST_RND) + 1
+                if keep:
+                    tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                    _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
+                                tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                elif last_round != 0:
+                    tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                    tl.store(st + ST_RND, stream)
+                    tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
+                    if (flags & FLAG_TOPP) != 0:
+                        _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
+                                      NB)
+                else:
+                    k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+                    k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+                    pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+                    g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
+                    nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row,
+                                       wrow, mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos,
+                                       stream.to(tl.uint32), m, kc, cand, BLOCK)
+                    tl.store(st + ST_CAND, nxt.to(tl.int64))
+                    tl.store(st + ST_RND, stream)
 
 
 @triton.jit
@@ -676,7 +692,7 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
             # A slot per kept token from the row's counter: a block keeps one or two, and a scan would cost more.
             at = tl.atomic_add(st + ST_GCNT + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
             tl.store(buf + at, (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64), mask=keep & (at < ROOM))
-        if _last_of_row(prm, r):
+        if _last_of_row(prm, r, R):
             n = tl.load(st + ST_GCNT, cache_modifier=".cg")
             if n <= ROOM:
                 p = prm + r * NUM_FIELDS
@@ -712,41 +728,42 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
 
 @triton.jit
 def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, V, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                 hmass, V, R, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, RPP: tl.constexpr):
     """One search round over (row, chunk): counts and fixed-point masses of the allowed tokens with keys in the
     row's range ``[lo, hi)`` and at least ``floor``, by bucket ``(key - lo) >> shift``. Integer sums, so the
     result does not depend on the order of the atomic adds."""
-    r = tl.program_id(0)
     c = tl.program_id(1)
-    st = state + r * NUM_STATE
-    if tl.load(st + ST_PHASE) != PHASE_DONE:
-        R = tl.num_programs(0)
-        m = tl.load(stats + S_M * R + r)
-        lo = tl.load(st + ST_LO).to(tl.int32)
-        hi = tl.load(st + ST_HI).to(tl.int32)
-        shift = tl.load(st + ST_SHIFT).to(tl.int32)
-        floor = tl.load(st + ST_FLOOR).to(tl.int32)
-        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
-        # The first round adds every allowed token, and atomics are most of its time: top-p's first round needs only
-        # masses, top-k's only counts (and masses when top-p follows it, for the kept mass). Above top-k's threshold
-        # (floor > 0) few tokens take part, and their counts let a bucket of one token settle the search early.
-        phase = tl.load(st + ST_PHASE)
-        counted = (phase == PHASE_K) | (shift != SHIFT1) | (floor > 0)
-        weighed = (phase == PHASE_P) | ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0)
-        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            start = (c * ITERS + i) * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
-            e = _e(s, m)
-            key = e.to(tl.int32, bitcast=True)
-            inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
-            b = r * NB + ((key - lo) >> shift)
-            # Relaxed: the row's ticket below orders these adds before its last program reads the sums.
-            tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr & counted, sem="relaxed")
-            tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr & weighed, sem="relaxed")
-        if _last_of_row(prm, r):
-            _select_row(prm, state, hcnt, hmass, r, NB)
+    states = _row_states(state, ST_PHASE, R, PHASE_DONE, RPP)
+    for jr in range(RPP):
+        r = tl.program_id(0) * RPP + jr
+        st = state + r * NUM_STATE
+        if _state_of(states, jr, RPP) != PHASE_DONE:
+            m = tl.load(stats + S_M * R + r)
+            lo = tl.load(st + ST_LO).to(tl.int32)
+            hi = tl.load(st + ST_HI).to(tl.int32)
+            shift = tl.load(st + ST_SHIFT).to(tl.int32)
+            floor = tl.load(st + ST_FLOOR).to(tl.int32)
+            row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+            # The first round adds every allowed token, and atomics are most of its time: top-p's first round needs only
+            # masses, top-k's only counts (and masses when top-p follows it, for the kept mass). Above top-k's threshold
+            # (floor > 0) few tokens take part, and their counts let a bucket of one token settle the search early.
+            phase = tl.load(st + ST_PHASE)
+            counted = (phase == PHASE_K) | (shift != SHIFT1) | (floor > 0)
+            weighed = (phase == PHASE_P) | ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0)
+            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + i) * BLOCK
+                offs = start + tl.arange(0, BLOCK)
+                x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                     mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+                e = _e(s, m)
+                key = e.to(tl.int32, bitcast=True)
+                inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
+                b = r * NB + ((key - lo) >> shift)
+                # Relaxed: the row's ticket below orders these adds before its last program reads the sums.
+                tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr & counted, sem="relaxed")
+                tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr & weighed, sem="relaxed")
+            if _last_of_row(prm, r, R):
+                _select_row(prm, state, hcnt, hmass, r, NB)
 
 
 @triton.jit
@@ -824,89 +841,91 @@ def _select_row(prm, state, hcnt, hmass, r, NB: tl.constexpr):
 
 @triton.jit
 def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, V,
-                 C, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                 C, R, BLOCK: tl.constexpr, ITERS: tl.constexpr, RPP: tl.constexpr):
     """Per (row, chunk) of a row whose top-p threshold value only some of its tokens pass: how many tokens of the
     chunk have it (the draw ranks them by id across chunks)."""
-    r = tl.program_id(0)
     c = tl.program_id(1)
-    st = state + r * NUM_STATE
-    if tl.load(st + ST_NEED) >= 0:
-        R = tl.num_programs(0)
-        m = tl.load(stats + S_M * R + r)
-        thr = tl.load(st + ST_THR).to(tl.int32)
-        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
-        n = 0
-        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            start = (c * ITERS + i) * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
-            key = _e(s, m).to(tl.int32, bitcast=True)
-            n += tl.sum(((key == thr) & (s > float("-inf")) & (offs < V)).to(tl.int32), 0)
-        tl.store(part + P_TIES * R * C + r * C + c, n.to(tl.float32, bitcast=True))
+    states = _row_states(state, ST_NEED, R, -1, RPP)
+    for jr in range(RPP):
+        r = tl.program_id(0) * RPP + jr
+        st = state + r * NUM_STATE
+        if _state_of(states, jr, RPP) >= 0:
+            m = tl.load(stats + S_M * R + r)
+            thr = tl.load(st + ST_THR).to(tl.int32)
+            row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+            n = 0
+            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + i) * BLOCK
+                offs = start + tl.arange(0, BLOCK)
+                x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                     mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+                key = _e(s, m).to(tl.int32, bitcast=True)
+                n += tl.sum(((key == thr) & (s > float("-inf")) & (offs < V)).to(tl.int32), 0)
+            tl.store(part + P_TIES * R * C + r * C + c, n.to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, tops,
-                 out, V, C, CT, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
-                 TOPS: tl.constexpr):
+                 out, V, C, CT, R, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
+                 TOPS: tl.constexpr, RPP: tl.constexpr):
     """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
     the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id). The row's last
     program takes the best chunk and finishes the row."""
-    r = tl.program_id(0)
     c = tl.program_id(1)
-    R = tl.num_programs(0)
-    p = prm + r * NUM_FIELDS
-    st = state + r * NUM_STATE
-    if tl.load(st + ST_DRAW) != 0:
-        err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
-        stream = tl.load(st + ST_RND).to(tl.uint32)
-        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
-        k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
-        k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
-        pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-        m = tl.load(stats + S_M * R + r)
-        min_p = tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
-        thr = tl.load(st + ST_THR).to(tl.int32)
-        need = tl.load(st + ST_NEED).to(tl.int32)
-        seen = 0
-        if need >= 0:
-            cs = tl.arange(0, CP)
-            ties = tl.load(part + P_TIES * R * C + r * C + cs, mask=cs < c, other=0.0).to(tl.int32, bitcast=True)
-            seen = tl.sum(ties, 0)
-        best = float("-inf")
-        bid = BIG
-        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            start = (c * ITERS + i) * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
-            e = _e(s, m)
-            key = e.to(tl.int32, bitcast=True)
-            keep = (s > float("-inf")) & (key >= thr) & (e >= min_p) & (offs < V)
+    states = _row_states(state, ST_DRAW, R, 0, RPP)
+    for jr in range(RPP):
+        r = tl.program_id(0) * RPP + jr
+        st = state + r * NUM_STATE
+        p = prm + r * NUM_FIELDS
+        if _state_of(states, jr, RPP) != 0:
+            err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
+            stream = tl.load(st + ST_RND).to(tl.uint32)
+            row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+            k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+            k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+            pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+            m = tl.load(stats + S_M * R + r)
+            min_p = tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+            thr = tl.load(st + ST_THR).to(tl.int32)
+            need = tl.load(st + ST_NEED).to(tl.int32)
+            seen = 0
             if need >= 0:
-                tie = (key == thr) & (s > float("-inf")) & (offs < V)
-                rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
-                keep = keep & ((key > thr) | (rank < need))
-                seen += tl.sum(tie.to(tl.int32), 0)
-            if tl.max(keep.to(tl.int32), 0) > 0:  # a filtered row keeps few blocks: the others skip the noise
-                score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
-                bm = tl.max(score, 0)
-                bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
-                bid = tl.where(bm > best, bidx, bid)
-                best = tl.maximum(best, bm)
-        plane = R * C
-        tl.store(part + P_BEST * plane + r * C + c, best)
-        tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
-        if _last_of_row(prm, r):
-            cs = tl.arange(0, CP)
-            cm = cs < C
-            pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
-            pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
-                         cache_modifier=".cg").to(tl.int32, bitcast=True)
-            token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
-            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
-                        tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                cs = tl.arange(0, CP)
+                ties = tl.load(part + P_TIES * R * C + r * C + cs, mask=cs < c, other=0.0).to(tl.int32, bitcast=True)
+                seen = tl.sum(ties, 0)
+            best = float("-inf")
+            bid = BIG
+            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + i) * BLOCK
+                offs = start + tl.arange(0, BLOCK)
+                x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                     mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+                e = _e(s, m)
+                key = e.to(tl.int32, bitcast=True)
+                keep = (s > float("-inf")) & (key >= thr) & (e >= min_p) & (offs < V)
+                if need >= 0:
+                    tie = (key == thr) & (s > float("-inf")) & (offs < V)
+                    rank = seen + tl.cumsum(tie.to(tl.int32), 0) - 1
+                    keep = keep & ((key > thr) | (rank < need))
+                    seen += tl.sum(tie.to(tl.int32), 0)
+                if tl.max(keep.to(tl.int32), 0) > 0:  # a filtered row keeps few blocks: the others skip the noise
+                    score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
+                    bm = tl.max(score, 0)
+                    bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
+                    bid = tl.where(bm > best, bidx, bid)
+                    best = tl.maximum(best, bm)
+            plane = R * C
+            tl.store(part + P_BEST * plane + r * C + c, best)
+            tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
+            if _last_of_row(prm, r, R):
+                cs = tl.arange(0, CP)
+                cm = cs < C
+                pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
+                pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
+                             cache_modifier=".cg").to(tl.int32, bitcast=True)
+                token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
 
 
 @triton.jit

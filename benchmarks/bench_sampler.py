@@ -15,6 +15,7 @@ tokenizers have 512 tokens): half the rows allow 90% of the vocabulary (inside a
     python benchmarks/bench_sampler.py --engine              # bench_engine.py's workload at vocab 200,064
     python benchmarks/bench_sampler.py --device --rows 16 256  # torch + CUDA: device sampler vs the byte floor
     python benchmarks/bench_sampler.py --device --launches --rows 256 --vocab 200064  # each launch of one step
+    python benchmarks/bench_sampler.py --issue --rows 16 256 --vocab 200064  # the host's part of a device step (CPU)
 """
 
 from __future__ import annotations
@@ -489,6 +490,47 @@ def bench_engine(args):
     del engine_mod
 
 
+def issue_host(args):
+    """The host's own time in a device step, on any machine: ``sample_rows`` on CPU torch tensors with every kernel
+    launch and the final device-to-host copy made no-ops, so what is timed is the launcher's Python and NumPy (the
+    parameter table, flag checks, argument lists) and its allocations and uploads as CPU tensors (on a GPU those are
+    caching-allocator calls and copies of a few KB). ``SamplingBatch.from_rows`` is timed apart. Median of 200 calls
+    per setting, after 20."""
+    import torch
+
+    from fastdeploy_ext.ops import launch
+    from fastdeploy_ext.ops.sampling import sample_rows
+
+    real_launch, real_to_host = launch.TorchOps.launch, launch.TorchOps.to_host
+    launch.TorchOps.launch = lambda self, kernel, grid, a, **meta: None
+    launch.TorchOps.to_host = lambda self, t: np.zeros(tuple(t.shape), np.int32)
+    try:
+        for vocab in args.vocab:
+            for rows in args.rows:
+                logits = torch.zeros((rows, vocab), dtype=torch.float32)
+                masks = synthetic_masks(rows, vocab, args.seed + 1)
+                for setting in args.settings:
+                    specs, bitmask, counts, slots, batch = device_rows(logits, rows, vocab, setting, args.seed, masks,
+                                                                       fixed=False)
+                    from fastdeploy_ext.ops.sampling import SamplingBatch
+
+                    build, step = [], []
+                    for i in range(220):
+                        t0 = time.perf_counter()
+                        batch = SamplingBatch.from_rows(specs, list(range(rows)), bitmask, slots)
+                        t1 = time.perf_counter()
+                        sample_rows(logits, batch, counts)
+                        t2 = time.perf_counter()
+                        if i >= 20:
+                            build.append(t1 - t0)
+                            step.append(t2 - t1)
+                    print(f"vocab {vocab} R={rows} {setting}: from_rows {np.median(build) * 1e6:.1f} us, "
+                          f"sample_rows (launches and copy-back stubbed) {np.median(step) * 1e6:.1f} us", flush=True)
+    finally:
+        launch.TorchOps.launch, launch.TorchOps.to_host = real_launch, real_to_host
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[200064, 151936])
@@ -509,7 +551,11 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="device: GPU time per kernel and the host's share")
     ap.add_argument("--launches", action="store_true",
                     help="device: each launch's GPU time in one fixed-seed step (a small program for ncu)")
+    ap.add_argument("--issue", action="store_true",
+                    help="the host's part of a device step: sample_rows with launches stubbed, on the CPU")
     args = ap.parse_args()
+    if args.issue:
+        return issue_host(args)
     if args.device and args.launches:
         return launches_device(args)
     if args.device and args.profile:

@@ -235,7 +235,7 @@ def bench_host(args):
     sampler = HostSampler()
     print(f"host: threads={args.threads}, source={args.source}; ms per row, best of {args.reps} (OLD: best of "
           f"{args.old_reps}); new/old in the same run")
-    print(f"| vocab | R | setting | OLD ms/row | NEW ms/row | speed-up |")
+    print("| vocab | R | setting | OLD ms/row | NEW ms/row | speed-up |")
     print("|---|---|---|---|---|---|")
     for vocab in args.vocab:
         max_r = max(args.rows)
@@ -499,7 +499,7 @@ def issue_host(args):
     import torch
 
     from fastdeploy_ext.ops import launch
-    from fastdeploy_ext.ops.sampling import sample_rows
+    from fastdeploy_ext.ops.sampling import SamplingBatch, sample_rows
 
     real_launch, real_to_host = launch.TorchOps.launch, launch.TorchOps.to_host
     launch.TorchOps.launch = lambda self, kernel, grid, a, **meta: None
@@ -512,8 +512,6 @@ def issue_host(args):
                 for setting in args.settings:
                     specs, bitmask, counts, slots, batch = device_rows(logits, rows, vocab, setting, args.seed, masks,
                                                                        fixed=False)
-                    from fastdeploy_ext.ops.sampling import SamplingBatch
-
                     build, step = [], []
                     for i in range(220):
                         t0 = time.perf_counter()

@@ -24,6 +24,9 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
   logprobs in one int32 row, and the sampled token counted in the request's device counts.
 
 ``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
+
+The rank, histogram, ties and draw kernels take ``RPP`` rows per program (``_row_states``): the launcher gives the
+passes that only rows left open reach 8, the others 1.
 """
 
 import triton

@@ -29,19 +29,20 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm="*i32", part="*fp32", tops="*i64",
-                cands="*i64", ccnt="*i32", stats="*fp32", state="*i64", hcnt="*i32", hmass="*i64", pieces="*fp32",
+POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm="*i32", part="*fp32",
+                tpieces="*fp32", cands="*i64", ccnt="*i32", stats="*fp32", state="*i64", hcnt="*i32", hmass="*i64", pieces="*fp32",
                 out="*i32", gbuf="*i64", mods="*i32", entries="*i32", slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
-CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=256, PIECE=8192, NGP=32, DRAW=True,
-                 LSE=False, KSEL=False, COUNT=False, RPP=8, ROOM=512, NPP=32, CHUNK=32768)
+CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
+                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, RPP=8, ROOM=512, NPP=32, CHUNK=32768)
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
     "logprobs": dict(LSE=True, TOPS=True),
     "top-k": dict(DRAW=False, KSEL=True, COUNT=True),
 }
-KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")
+KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel",
+           "_tops_kernel")
 COUNTED = ("LDG", "LDGSTS", "STG", "ATOMG", "MUFU", "BAR", "SHFL", "STL", "LDL")
 
 
@@ -114,8 +115,7 @@ def main(argv=None) -> int:
     from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
     jobs = [(f"_stats_kernel [{v}]", "_stats_kernel", VARIANTS[v]) for v in args.variant]
-    jobs += [("_rank_kernel [round 1]", "_rank_kernel", dict(RPP=1))]
-    jobs += [(name + (" [later]" if name == "_rank_kernel" else ""), name, {}) for name in KERNELS[1:]]
+    jobs += [(name, name, {}) for name in KERNELS[1:]]
     print(f"{'kernel':<28} {'regs':>4} {'prog/SM':>7} " + " ".join(f"{c:>6}" for c in COUNTED), flush=True)
     for label, name, extra in jobs:
         constants = {**CONSTANTS, "BLOCK": args.block, "ITERS": CONSTANTS["CHUNK"] // args.block, **extra}

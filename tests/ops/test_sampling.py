@@ -451,16 +451,20 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     assert len(set(tokens)) == 1
 
 
-@pytest.mark.parametrize("block,chunk,room", [(64, 128, None), (32, 128, 8)],
-                         ids=["candidates fit", "candidates overflow"])
+@pytest.mark.parametrize("block,chunk,room", [(256, 512, None), (64, 128, None), (16, 64, None), (64, 64, None),
+                                             (32, 128, 1)],
+                         ids=["one piece", "fewer pieces than the list", "candidates fit", "pieces of one block",
+                              "candidates overflow"])
 def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
-    """Top logprobs from each chunk's candidates (lists of 8 for at most 5 requested); with room for 8 candidates
-    the chunk's 8 set maxima alone fill it, so any other token at or above their minimum overflows the room and the
-    chunk's exact merge runs."""
+    """Top logprobs (lists of 8 for at most 5 requested) from the tokens at or above the 8th largest piece maximum
+    in the 8 pieces with the largest maxima (pieces of two blocks, of one where a chunk is one block), or every token
+    of a row of fewer pieces; 500 tokens make 1 such piece at block 256, 4 at block 64, 16 at block 16. With room
+    for 8 candidates the 8 pieces' maxima alone fill it, so any other token at or above the bound overflows the room
+    and the exact merge of the 8 pieces runs."""
     from fastdeploy_ext.ops.sampling import launcher
 
     if room is not None:
-        monkeypatch.setattr(launcher, "TOP_CANDIDATES", room)
+        monkeypatch.setattr(launcher, "TOP_CANDIDATES_PER_LIST", room)
     rng = np.random.default_rng(5)
     vocab = 500
     x = (rng.standard_normal((3, vocab)) * 4).astype(np.float32)
@@ -469,10 +473,15 @@ def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
              SampleRow(SamplingParams(temperature=0.5, top_p=0.9, logprobs=3, logit_bias={4: 9.0}), seed=2),
              SampleRow(SamplingParams(temperature=0.0, logprobs=0), seed=3)]
     if room is not None:
-        # The rows' chunks hold more tokens at or above their bound than the room: the exact merge runs.
-        full = x[:2, :vocab // chunk * chunk].reshape(2, -1, chunk)
-        sets = full.reshape(2, -1, chunk // block, block // 8, 8).max(axis=(2, 3)).min(axis=-1)
-        assert ((full >= sets[..., None]).sum(-1) > room).any(axis=1).all()
+        # The rows' 8 best pieces hold more tokens at or above their bound than the room: the exact merge runs.
+        piece = 2 * block
+        padded = np.full((2, -(-vocab // piece) * piece), -np.inf, np.float32)
+        padded[:, :vocab] = x[:2]
+        pieces = padded.reshape(2, -1, piece)
+        best = np.argsort(-pieces.max(-1), axis=1, kind="stable")[:, :8]
+        bound = np.take_along_axis(pieces.max(-1), best, 1).min(-1)
+        held = np.take_along_axis(pieces, best[..., None], 1)
+        assert ((held >= bound[:, None, None]).sum(axis=(1, 2)) > 8 * room).all()
     out = run(x, specs, block=block, chunk=chunk)
     for r, (spec, got) in enumerate(zip(specs, out.logprob_dicts())):
         want = top_logprobs(log_softmax(x[r].astype(np.float64)[None])[0], spec.params.logprobs,

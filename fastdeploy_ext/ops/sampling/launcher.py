@@ -28,12 +28,13 @@ _NAMES = ("F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P
  NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in _NAMES)
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
 SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
-TOP_CANDIDATES = 1024  # per (row, chunk): room for the top-logprob candidates (at most 32 per list entry)
+TOP_CANDIDATES_PER_LIST = 16  # per row, times its list's length: room for the top-logprob candidates
+TOPS_PIECE_BLOCKS = 2  # blocks per piece whose raw maximum the stats pass keeps for the top logprobs
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
-# Rows per program of the passes that only rows left open reach (rank rounds after the first, a top-p row's fallback
-# search and draw): one program checks 8 rows' states in one load, where a program per row would cost each
-# finished row a program (the loop over rows costs registers: these passes run 2-4 programs per SM instead of 3-8).
+# Rows per program of the passes that only a top-p batch's fallen-back rows reach (search, ties, draw): one program
+# checks 8 rows' states in one load, where a program per row would cost each finished row a program (the loop over
+# rows costs registers: these passes run 2-4 programs per SM instead of 3-8).
 LATE_ROWS = 8
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
@@ -351,11 +352,15 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     late_chunk = min(chunk, SHORT_CHUNK)
     late_chunks = -(-vocab // late_chunk)
     cp = max(2, 1 << (max(chunks, late_chunks) - 1).bit_length())
-    cand = min(TOP_CANDIDATES, 32 * kp, 1 << (chunk - 1).bit_length())
     part = ops.empty([NUM_PLANES * n * max(chunks, late_chunks)], "float32", logits)
-    tops = ops.empty([n * chunks * kp if tops_on else 1], "int64", logits)
-    cands = ops.empty([n * chunks * cand if tops_on else 1], "int64", logits)
-    ccnt = ops.empty([n * chunks if tops_on else 1], "int32", logits)
+    # Top logprobs: the stats pass keeps the raw maximum of each piece of tb blocks, _tops_kernel reads kp pieces.
+    iters = chunk // block
+    tb = TOPS_PIECE_BLOCKS if iters % TOPS_PIECE_BLOCKS == 0 else 1
+    nt = -(-vocab // (tb * block))
+    cand = TOP_CANDIDATES_PER_LIST * kp
+    tpieces = ops.empty([n * nt if tops_on else 1], "float32", logits)
+    cands = ops.empty([n * cand if tops_on else 1], "int64", logits)
+    ccnt = ops.empty([n if tops_on else 1], "int32", logits)
     stats = ops.empty([NUM_STATS * n], "float32", logits)
     state = ops.empty([n * NUM_STATE], "int64", logits)
     hcnt = ops.empty([n * NUM_BUCKETS], "int32", logits)
@@ -371,28 +376,30 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     room = min(TOPK_ROOM, max(256, 1 << (chunks * int(params[gathered, F_TOP_K].max(initial=1)) - 1).bit_length()))
     gbuf = ops.empty([n * room if gathered.any() else 1], "int64", logits)
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
-    iters = chunk // block
     grid = (n, chunks)
-    ops.launch(tk._stats_kernel, grid, values + [part, tops, cands, ccnt, stats, state, hcnt, hmass, pieces, out,
-                                                 vocab, chunks, num_pieces],
-               CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, CAND=cand,
+    ops.launch(tk._stats_kernel, grid, values + [part, tpieces, ccnt, stats, state, hcnt, hmass, pieces, out, vocab,
+                                                 chunks, num_pieces, nt],
+               CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, TB=tb,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
                LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), COUNT=bool((flags & FLAG_TOPK).any()),
                num_warps=warps)
+    if tops_on:
+        ops.launch(tk._tops_kernel, (n, kp), [logits, stride_l, dev_params, tpieces, cands, ccnt, stats, out, vocab,
+                                              nt], BLOCK=block, TB=tb, KP=kp,
+                   NTP=max(kp, 1 << (nt - 1).bit_length()), CAND=cand, num_warps=warps)
     if gathered.any():
-        ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, tops, out, vocab, chunks], BLOCK=block,
-                   ITERS=iters, KP=kp, TOPS=tops_on, ROOM=room, num_warps=warps)
+        ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, out, vocab], BLOCK=block,
+                   ITERS=iters, KP=kp, ROOM=room, num_warps=warps)
     # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
         rounds = [(chunk, chunks, piece, num_pieces)] + [(late_chunk, late_chunks, late_piece, late_pieces)] * (
             CANDIDATES - 1)
         for n_cand, (c_n, cs_n, p_n, np_n) in enumerate(rounds):
-            rpp = 1 if n_cand == 0 else LATE_ROWS
-            ops.launch(tk._rank_kernel, (-(-n // rpp), cs_n),
-                       values + [stats, state, hcnt, hmass, pieces, tops, out, vocab, cs_n, chunks, np_n,
-                                 int(n_cand == CANDIDATES - 1), n],
-                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=kp, TOPS=tops_on, PIECE=p_n,
-                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), RPP=rpp, num_warps=warps)
+            ops.launch(tk._rank_kernel, (n, cs_n),
+                       values + [stats, state, hcnt, hmass, pieces, out, vocab, cs_n, np_n,
+                                 int(n_cand == CANDIDATES - 1)],
+                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=kp, PIECE=p_n,
+                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)
     if not (flags & FLAG_TOPK).any():  # only fallen-back rows search and draw below
         rpp, iters, chunks_d = LATE_ROWS, late_chunk // block, late_chunks
     else:
@@ -407,8 +414,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks_d, n], BLOCK=block,
                    ITERS=iters, RPP=rpp, num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
-        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, tops, out, vocab, chunks_d, chunks, n], CP=cp,
-                   BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, RPP=rpp, num_warps=warps)
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, out, vocab, chunks_d, n], CP=cp,
+                   BLOCK=block, ITERS=iters, KP=kp, RPP=rpp, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)

@@ -25,8 +25,8 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 
 ``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
 
-The rank, histogram, ties and draw kernels take ``RPP`` rows per program (``_row_states``): the launcher gives the
-passes that only rows left open reach 8, the others 1.
+The histogram, ties and draw kernels take ``RPP`` rows per program (``_row_states``): the launcher gives 8 where
+only a top-p batch's fallen-back rows reach them, else 1.
 """
 
 import triton
@@ -247,42 +247,6 @@ def _packed(raw, offs, V):
 
 
 @triton.jit
-def _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, lanes, BLOCK: tl.constexpr,
-                ITERS: tl.constexpr, KP: tl.constexpr, CAND: tl.constexpr):
-    """The chunk's top KP raw logits (packed) into ``tops``. ``lanes``: per block position the largest raw logit the
-    stats pass saw there (packed with its first id). Grouped into KP sets of positions, their maxima are KP distinct
-    tokens, so the smallest of them is at most the chunk's KP-th largest: only tokens at or above it (about 4 KP on
-    random logits) are gathered, on a second read of the chunk (from L2), and the top KP chosen among them."""
-    thr = tl.min(tl.max(tl.reshape(lanes, [BLOCK // KP, KP]), 0), 0)
-    scr = cands + (r * C + c).to(tl.int64) * CAND
-    cnt = ccnt + r * C + c
-    tl.store(cnt, 0)
-    tl.debug_barrier()  # the counter zeroed before any thread takes a slot from it
-    for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-        offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-        raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        packed = _packed(raw, offs, V)
-        keep = (packed >= thr) & (offs < V)
-        # A slot per candidate from the chunk's counter: few per block, where a scan would cost more.
-        at = tl.atomic_add(cnt + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
-        tl.store(scr + at, packed, mask=keep & (at < CAND))
-    tl.debug_barrier()  # the candidates stored by every thread, before they are read back
-    n = tl.atomic_add(cnt, 0)
-    if n <= CAND:
-        j = tl.arange(0, CAND)
-        run = tl.topk(tl.load(scr + j, mask=j < n, other=-9223372036854775807 - 1), KP)
-    else:
-        # More candidates than room (many equal logits): merge the chunk's blocks exactly.
-        run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            offs = (c * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
-            raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
-                          other=float("-inf")).to(tl.float32)
-            run = tl.topk(tl.reshape(tl.join(run, tl.topk(_packed(raw, offs, V), KP)), [2 * KP]), KP)
-    tl.store(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), run)
-
-
-@triton.jit
 def _online_lse(v, lmax, lsum):
     """Per lane, a running maximum of ``v`` (from LOWEST) and the sum of ``exp(v - maximum)``: one exponential per
     value (``exp(-|v - maximum|)`` either scales the sum to a new maximum or is the value's term). The finite start
@@ -298,9 +262,9 @@ def _online_lse(v, lmax, lsum):
 
 
 @triton.jit
-def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tops, cands,
-                  ccnt, stats, state, hcnt, hmass, pieces, out, V, C, NP, CP: tl.constexpr, NB: tl.constexpr,
-                  BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, CAND: tl.constexpr,
+def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tpieces, ccnt,
+                  stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
+                  BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
                   COUNT: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
@@ -312,7 +276,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
     it). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
     row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
-    pay for one running maximum, not two."""
+    pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
+    ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -333,7 +298,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     ps = tl.zeros([BLOCK], tl.float32)
     R = tl.num_programs(0)
     if TOPS:
-        lrarg = tl.full([BLOCK], BIG, tl.int32)  # per lane the id of the raw maximum lrmax (its first)
+        lpr = tl.full([BLOCK], float("-inf"), tl.float32)
     nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
     for i in range(nblk):
         start = (c * ITERS + i) * BLOCK
@@ -349,9 +314,13 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             lcnt += (s > float("-inf")).to(tl.int32)
         if LSE:
             if nlp >= 0:
-                up, lrmax, lrsum = _online_lse(raw, lrmax, lrsum)
-                if TOPS:
-                    lrarg = tl.where(up, offs, lrarg)  # the lane's first id of its raw maximum
+                _, lrmax, lrsum = _online_lse(raw, lrmax, lrsum)
+        if TOPS:
+            if nlp > 0:
+                lpr = tl.maximum(lpr, raw)
+                if (((i + 1) % TB) == 0) | (i == nblk - 1):
+                    tl.store(tpieces + r * NT + start // (TB * BLOCK), tl.max(lpr, 0))
+                    lpr = tl.full([BLOCK], float("-inf"), tl.float32)
         if fused:
             # The two-level draw's log-masses per piece of the row, reduced where a piece ends.
             _, pm, ps = _online_lse(s, pm, ps)
@@ -387,11 +356,9 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             ranked = tl.sort(lmax, 0, descending=True)
             kth = tl.max(tl.where(tl.arange(0, BLOCK) == top_k - 1, ranked, float("-inf")), 0)
         tl.store(base + P_KTH * plane, kth)
-    if TOPS:
-        if nlp > 0:
-            _chunk_tops(logits, stride_l, row, tops, cands, ccnt, r, c, C, V, _packed(lrmax, lrarg, V), BLOCK, ITERS,
-                        KP, CAND)
     if _last_of_row(prm, r, R):
+        if TOPS:
+            tl.store(ccnt + r, 0)
         token, err, rm, lrel, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
         flags = tl.load(p + F_FLAGS)
         kept = False
@@ -409,7 +376,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                     tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
             token = cand
         if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0) | kept:
-            _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, rm, lrel, V, C, KP, TOPS)
+            _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err, rm, lrel, V, KP)
 
 
 @triton.jit
@@ -576,8 +543,8 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 @triton.jit
 def _row_states(state, field, R, closed, RPP: tl.constexpr):
     """State ``field`` of this program's RPP rows (``program_id(0) * RPP + j``; ``closed`` past R) in one load. The
-    launches after the first rank round run for the few rows still open; their programs check RPP rows at once,
-    where one program per row would cost each finished row a program's launch and the latency of a load."""
+    search, ties and draw of a top-p batch's fallen-back rows run for the few rows still open; their programs check
+    RPP rows at once, where one program per row would cost each finished row a program's launch and a load."""
     rows = tl.program_id(0) * RPP + tl.arange(0, RPP)
     return tl.load(state + rows * NUM_STATE + field, mask=rows < R, other=closed)
 
@@ -590,86 +557,83 @@ def _state_of(states, jr, RPP: tl.constexpr):
 
 @triton.jit
 def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, pieces, tops, out, V, C, CT, NP, last_round, R, NB: tl.constexpr, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr,
-                 NPP: tl.constexpr, RPP: tl.constexpr):
+                 hmass, pieces, out, V, C, NP, last_round, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
     """The rank test of a top-p / min-p row's candidate ``j`` (row, chunk): per piece the masses of the allowed
     tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps
     ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and finishes the row; else it
     draws the next candidate from the tokens above ``j`` (the two-level draw over those masses) for the next
     round, or after the last round sets up the threshold search and ``_draw_kernel``."""
+    r = tl.program_id(0)
     c = tl.program_id(1)
-    states = _row_states(state, ST_PEND, R, PEND_NONE, RPP)
-    for jr in range(RPP):
-        r = tl.program_id(0) * RPP + jr
-        st = state + r * NUM_STATE
-        if _state_of(states, jr, RPP) == PEND_TEST:
-            m = tl.load(stats + S_M * R + r)
-            row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
-            cand = tl.load(st + ST_CAND).to(tl.int32)
-            one = cand + tl.zeros([2], tl.int32)
-            x1, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                             slot, rep, freq, pres, inv_t, one, V)
-            kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
-            fa = tl.zeros([BLOCK], tl.float32)
-            ft = tl.zeros([BLOCK], tl.float32)
-            nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
-            for i in range(nblk):
-                start = (c * ITERS + i) * BLOCK
-                offs = start + tl.arange(0, BLOCK)
-                x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                     mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
-                e = _e(s, m)
-                key = e.to(tl.int32, bitcast=True)
-                ok = (s > float("-inf")) & (offs < V)
-                up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
-                fa += tl.where(up, e, 0.0)
-                ft += tl.where(ok, e, 0.0)
-                if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
-                    tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
-                    tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
-                    fa = tl.zeros([BLOCK], tl.float32)
-                    ft = tl.zeros([BLOCK], tl.float32)
-            if _last_of_row(prm, r, R):
-                # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
-                js = tl.arange(0, NPP)
-                a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
-                t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
-                p = prm + r * NUM_FIELDS
-                flags = tl.load(p + F_FLAGS)
-                top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
-                keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+    st = state + r * NUM_STATE
+    if tl.load(st + ST_PEND) == PEND_TEST:
+        R = tl.num_programs(0)
+        m = tl.load(stats + S_M * R + r)
+        row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
+        cand = tl.load(st + ST_CAND).to(tl.int32)
+        one = cand + tl.zeros([2], tl.int32)
+        x1, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                         slot, rep, freq, pres, inv_t, one, V)
+        kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
+        fa = tl.zeros([BLOCK], tl.float32)
+        ft = tl.zeros([BLOCK], tl.float32)
+        nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+        for i in range(nblk):
+            start = (c * ITERS + i) * BLOCK
+            offs = start + tl.arange(0, BLOCK)
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+            e = _e(s, m)
+            key = e.to(tl.int32, bitcast=True)
+            ok = (s > float("-inf")) & (offs < V)
+            up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
+            fa += tl.where(up, e, 0.0)
+            ft += tl.where(ok, e, 0.0)
+            if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+                tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
+                tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
+                fa = tl.zeros([BLOCK], tl.float32)
+                ft = tl.zeros([BLOCK], tl.float32)
+        if _last_of_row(prm, r, R):
+            # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
+            js = tl.arange(0, NPP)
+            a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+            t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+            p = prm + r * NUM_FIELDS
+            flags = tl.load(p + F_FLAGS)
+            top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
+            keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
+            if (flags & FLAG_TOPP) != 0:
+                # j is in the top-p set when the mass before it is short of top_p (the first token always is).
+                keep = keep & ((a == 0.0) | (a < top_p * t))
+            stream = tl.load(st + ST_RND) + 1
+            if keep:
+                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, cand, 0,
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
+            elif last_round != 0:
+                tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                tl.store(st + ST_RND, stream)
+                tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
                 if (flags & FLAG_TOPP) != 0:
-                    # j is in the top-p set when the mass before it is short of top_p (the first token always is).
-                    keep = keep & ((a == 0.0) | (a < top_p * t))
-                stream = tl.load(st + ST_RND) + 1
-                if keep:
-                    tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
-                    _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, cand, 0,
-                                tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
-                elif last_round != 0:
-                    tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
-                    tl.store(st + ST_RND, stream)
-                    tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
-                    if (flags & FLAG_TOPP) != 0:
-                        _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
-                                      NB)
-                else:
-                    k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
-                    k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
-                    pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-                    g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
-                    nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row,
-                                       wrow, mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos,
-                                       stream.to(tl.uint32), m, kc, cand, BLOCK)
-                    tl.store(st + ST_CAND, nxt.to(tl.int64))
-                    tl.store(st + ST_RND, stream)
+                    _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
+                                  NB)
+            else:
+                k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+                k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+                pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+                g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
+                nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row,
+                                   wrow, mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos,
+                                   stream.to(tl.uint32), m, kc, cand, BLOCK)
+                tl.store(st + ST_CAND, nxt.to(tl.int64))
+                tl.store(st + ST_RND, stream)
 
 
 @triton.jit
 def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, gbuf,
-                   tops, out, V, CT, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr,
-                   ROOM: tl.constexpr):
+                   out, V, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, ROOM: tl.constexpr):
     """A top-k row's tokens at or above its bound (``key(e) >= ST_GKEY``), as packed ``(key, BIG - id)`` into the
     row's ROOM slots (row, chunk). The row's last program ranks them: top-k keeps every token at or above the k-th
     key, top-p the shortest prefix (ties to the lower id) whose fixed-point mass reaches ``ceil(top_p * M)`` of
@@ -724,8 +688,8 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
                 token = tl.min(tl.where(score == tl.max(score, 0), ids, BIG), 0)
                 tl.store(st + ST_PHASE, tl.full([], PHASE_DONE, tl.int64))
                 tl.store(st + ST_DRAW, tl.zeros([], tl.int64))
-                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, 0,
-                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, 0,
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
             tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
 
 
@@ -868,9 +832,9 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
 
 
 @triton.jit
-def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, tops,
-                 out, V, C, CT, R, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
-                 TOPS: tl.constexpr, RPP: tl.constexpr):
+def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, out,
+                 V, C, R, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
+                 RPP: tl.constexpr):
     """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
     the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id). The row's last
     program takes the best chunk and finishes the row."""
@@ -927,16 +891,73 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
                              cache_modifier=".cg").to(tl.int32, bitcast=True)
                 token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
-                _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err,
-                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, CT, KP, TOPS)
+                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err,
+                            tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
 
 
 @triton.jit
-def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, err, rm, lrel, V, C, KP: tl.constexpr,
-                TOPS: tl.constexpr):
-    """``out[r]``: token, error code, the token's raw logprob (bits), then KP top ids and KP top logprobs (bits)
-    merged from the chunks' lists (``rm``, ``lrel``: the raw row's maximum and log-sum, ``_combine_row``); the token
-    counted (+2) in the row's counts and marked in its presence bits."""
+def _tops_kernel(logits, stride_l, prm, tpieces, cands, ccnt, stats, out, V, NT, BLOCK: tl.constexpr,
+                 TB: tl.constexpr, KP: tl.constexpr, NTP: tl.constexpr, CAND: tl.constexpr):
+    """The top KP raw logits of a row with top logprobs (row, j < KP), ranked as ``_packed`` ranks them, from the
+    stats pass's piece maxima (``TB`` blocks a piece). A token among the top KP lies in one of the KP pieces with
+    the largest maxima (pieces ranked by maximum, then lower index first: the order of their first maximal tokens),
+    for else KP pieces above its own hold KP larger tokens; and it is at least the KP-th of those maxima (a row of
+    fewer pieces takes all their tokens). Program ``j`` reads the ``j``-th piece and takes a slot in the row's
+    candidates for each token at or above that bound; the row's last program ranks them and writes the ids and raw
+    logprobs into ``out[r]`` after ``_finish_row``'s three. More candidates than ``CAND`` (many equal logits) merge
+    the KP pieces exactly instead."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    R = tl.num_programs(0)
+    p = prm + r * NUM_FIELDS
+    if (tl.load(p + F_NLP) > 0) & (tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True) == 0):
+        row = tl.load(p + F_ROW)
+        src = logits + row.to(tl.int64) * stride_l
+        g = tl.arange(0, NTP)
+        best = tl.topk(_packed(tl.load(tpieces + r * NT + g, mask=g < NT, other=float("-inf")), g, NT), KP)
+        real = best != -9223372036854775807 - 1
+        bound = tl.min(tl.where(real, (best >> 32).to(tl.int32), BIG), 0)
+        bound = tl.where(tl.sum(real.to(tl.int32), 0) == KP, bound, -BIG - 1)  # fewer pieces: all their tokens
+        pieces_of = tl.where(real, -(best & 0xFFFFFFFF).to(tl.int32) + BIG, -1)
+        mine = tl.max(tl.where(tl.arange(0, KP) == j, pieces_of, -1), 0)
+        scr = cands + r.to(tl.int64) * CAND
+        if mine >= 0:
+            for b in range(TB):
+                offs = (mine * TB + b) * BLOCK + tl.arange(0, BLOCK)
+                packed = _packed(tl.load(src + offs, mask=offs < V, other=float("-inf")).to(tl.float32), offs, V)
+                keep = ((packed >> 32).to(tl.int32) >= bound) & (offs < V)
+                # A slot per candidate from the row's counter (zeroed by the stats pass): few per block.
+                at = tl.atomic_add(ccnt + r + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
+                tl.store(scr + at, packed, mask=keep & (at < CAND))
+        if _last_of_row(prm, r, R):
+            n = tl.atomic_add(ccnt + r, 0)
+            if n <= CAND:
+                k = tl.arange(0, CAND)
+                run = tl.topk(tl.load(scr + k, mask=k < n, other=-9223372036854775807 - 1, cache_modifier=".cg"), KP)
+            else:
+                run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+                for q in range(KP):
+                    piece = tl.max(tl.where(tl.arange(0, KP) == q, pieces_of, -1), 0)
+                    if piece >= 0:
+                        for b in range(TB):
+                            offs = (piece * TB + b) * BLOCK + tl.arange(0, BLOCK)
+                            raw = tl.load(src + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+                            run = tl.topk(tl.reshape(tl.join(run, tl.topk(_packed(raw, offs, V), KP)), [2 * KP]), KP)
+            rm = tl.load(stats + S_RMAX * R + r)
+            lrel = tl.load(stats + S_LSE * R + r)
+            key = (run >> 32).to(tl.int32)
+            ids = -(run & 0xFFFFFFFF).to(tl.int32) + BIG
+            val = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            o = out + r * (3 + 2 * KP)
+            tl.store(o + 3 + tl.arange(0, KP), ids)
+            tl.store(o + 3 + KP + tl.arange(0, KP), ((val - rm) - lrel).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err, rm, lrel, V, KP: tl.constexpr):
+    """``out[r]``: token, error code, the token's raw logprob (bits) (``rm``, ``lrel``: the raw row's maximum and
+    log-sum, ``_combine_row``); the token counted (+2) in the row's counts and marked in its presence bits. The top
+    logprobs that follow in the row are ``_tops_kernel``'s."""
     p = prm + r * NUM_FIELDS
     token = tl.where(err == 0, token, 0)
     o = out + r * (3 + 2 * KP)
@@ -946,22 +967,10 @@ def _finish_row(logits, stride_l, counts, stride_c, prm, tops, out, r, token, er
     if (slot >= 0) & (err == 0):
         tl.atomic_add(counts + slot.to(tl.int64) * stride_c + token, 2)
         tl.atomic_or(counts + slot.to(tl.int64) * stride_c + V + (token >> 5), 1 << (token & 31))
-    nlp = tl.load(p + F_NLP)
-    if (nlp >= 0) & (err == 0):
+    if (tl.load(p + F_NLP) >= 0) & (err == 0):
         row = tl.load(p + F_ROW)
         x = tl.load(logits + row.to(tl.int64) * stride_l + token).to(tl.float32)
         tl.store(o + 2, ((x - rm) - lrel).to(tl.int32, bitcast=True))
-        if TOPS:
-            if nlp > 0:
-                run = tl.full([KP], -9223372036854775807 - 1, tl.int64)
-                for c in range(C):
-                    part_top = tl.load(tops + (r * C + c).to(tl.int64) * KP + tl.arange(0, KP), cache_modifier=".cg")
-                    run = tl.topk(tl.reshape(tl.join(run, part_top), [2 * KP]), KP)
-                key = (run >> 32).to(tl.int32)
-                ids = -(run & 0xFFFFFFFF).to(tl.int32) + BIG
-                val = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-                tl.store(o + 3 + tl.arange(0, KP), ids)
-                tl.store(o + 3 + KP + tl.arange(0, KP), ((val - rm) - lrel).to(tl.int32, bitcast=True))
 
 
 @triton.jit

@@ -31,6 +31,7 @@ SETTINGS = {
     "greedy": dict(temperature=0.0),
     "t=1": dict(temperature=1.0),
     "t=1 top_p 0.95": dict(temperature=1.0, top_p=0.95),
+    "t=3 top_p 0.95": dict(temperature=3.0, top_p=0.95),  # a flat row: most first candidates reach the rank pass
     "t=0.7 top_k 50 top_p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
     "t=1 rep 1.1 presence 0.5": dict(temperature=1.0, repetition_penalty=1.1, presence_penalty=0.5),
     "t=1 presence 0.5": dict(temperature=1.0, presence_penalty=0.5),

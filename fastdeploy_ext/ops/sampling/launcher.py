@@ -322,8 +322,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if batch.bitmask is not None and (batch.bitmask.ndim != 2 or batch.bitmask.shape[1] < words):
         raise ValueError(f"bitmask must be int32 [masks, >= {words}], got {list(batch.bitmask.shape)}")
     tops_on = batch.max_logprobs > 0
-    # The top-logprob lists hold the batch's largest request, rounded up: fewer sets of positions give the chunk's
-    # candidate bound (README.md) a higher value, so fewer candidates to rank.
+    # The top-logprob lists hold the batch's largest request, rounded up to a power of two (at least 8); _tops_kernel
+    # reads that many pieces of each row with top logprobs.
     kp = max(8, 1 << (max(batch.max_logprobs, 1) - 1).bit_length())
     if tops_on and block < kp:
         raise ValueError(f"block ({block}) must be at least {kp} when {batch.max_logprobs} top logprobs are requested")

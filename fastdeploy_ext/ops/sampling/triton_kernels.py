@@ -6,10 +6,12 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 - ``_modify_kernel`` (working row, chunk): rows with ``logit_bias`` or banned ids get a float32 working copy with
   those entries changed.
 - ``_stats_kernel`` (row, chunk): maximum, arg-max, the raw row's sum of exponentials, allowed count, NaN flag,
-  candidates for the chunk's top raw logits (logprobs), and for rows without top-k each piece's log-mass. The row's
+  each piece's raw maximum (top logprobs), and for rows without top-k each piece's log-mass. The row's
   last program combines the chunks (``_combine_row``: sets up the threshold search), draws the token of a row
   without top-k (``_pick_group`` then ``_group_token``: the two-level draw) and finishes rows that need no further
   pass (``_finish_row``).
+- ``_tops_kernel`` (row, j < KP): a row's top-logprob candidates from the KP pieces with the largest raw maxima;
+  the row's last program ranks them into the row's results.
 - ``_rank_kernel`` (row, chunk), up to ``CANDIDATES`` rounds: the mass ranked above a top-p / min-p row's
   candidate; the row's last program keeps the candidate and finishes the row, or draws the next candidate above
   it, or after the last round hands the row to the threshold search below.
@@ -20,8 +22,8 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
   select).
 - ``_ties_kernel`` (row, chunk): per chunk, the tokens equal to a top-p threshold that only some of them pass.
 - ``_draw_kernel`` (row, chunk): Gumbel-max over the kept tokens, Philox uniforms keyed by (seed, position, token);
-  the row's last program takes the best chunk and finishes the row: the token, its error code, logprob and top
-  logprobs in one int32 row, and the sampled token counted in the request's device counts.
+  the row's last program takes the best chunk and finishes the row: the token, its error code and logprob in the
+  row's int32 results, and the sampled token counted in the request's device counts.
 
 ``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
 

@@ -98,8 +98,10 @@ def _base(logits, stride_l, work, stride_w, row, wrow, offs, V):
 
 @triton.jit
 def _penalized(v, c, rep, freq, pres):
-    """``v`` with the penalties of count ``c`` (``2 * output count + seen in the prompt``)."""
-    v = tl.where(c > 0, tl.where(v > 0, v / rep, v * rep), v)
+    """``v`` with the penalties of count ``c`` (``2 * output count + seen in the prompt``). ``v * (1 / rep)`` is
+    ``v / rep`` as the GPU divides (the numerator times the approximate reciprocal) with the reciprocal taken once,
+    not per value."""
+    v = tl.where(c > 0, tl.where(v > 0, v * (1.0 / rep), v * rep), v)
     return v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
 
 

@@ -30,8 +30,9 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm="*i32", part="*fp32",
-                tpieces="*fp32", cands="*i64", ccnt="*i32", stats="*fp32", state="*i64", hcnt="*i32", hmass="*i64", pieces="*fp32",
-                out="*i32", gbuf="*i64", mods="*i32", entries="*i32", slots="*i32")
+                tpieces="*fp32", cands="*i64", ccnt="*i32", lanes="*fp32", picks="*i32", stats="*fp32", state="*i64",
+                hcnt="*i32", hmass="*i64", pieces="*fp32", out="*i32", gbuf="*i64", mods="*i32", entries="*i32",
+                slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
                  NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, RPP=8, ROOM=512, NPP=32, CHUNK=32768)

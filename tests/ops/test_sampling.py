@@ -73,6 +73,7 @@ def mixed_batch(rng, vocab):
         dict(temperature=0.9, logit_bias={3: 5.0, 7: -50.0}),
         dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.4),
         dict(temperature=0.0, repetition_penalty=2.0, logit_bias={11: 1.0}),
+        dict(temperature=0.8, top_k=9, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.2, logit_bias={2: 3.0}),
     ]
     for i, s in enumerate(settings * 2):
         if "logit_bias" in s:

@@ -375,10 +375,12 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     gathered = ((flags & FLAG_TOPK) != 0) & (params[:, F_TOP_K] <= block)
     room = min(TOPK_ROOM, max(256, 1 << (chunks * int(params[gathered, F_TOP_K].max(initial=1)) - 1).bit_length()))
     gbuf = ops.empty([n * room if gathered.any() else 1], "int64", logits)
+    lanes = ops.empty([n * chunks * block if gathered.any() else 1], "float32", logits)
+    picks = ops.empty([n * chunks * block if gathered.any() else 1], "int32", logits)
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     grid = (n, chunks)
-    ops.launch(tk._stats_kernel, grid, values + [part, tpieces, ccnt, stats, state, hcnt, hmass, pieces, out, vocab,
-                                                 chunks, num_pieces, nt],
+    ops.launch(tk._stats_kernel, grid, values + [part, tpieces, ccnt, lanes, stats, state, hcnt, hmass, pieces, out,
+                                                 vocab, chunks, num_pieces, nt],
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, TB=tb,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
                LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), COUNT=bool((flags & FLAG_TOPK).any()),
@@ -388,7 +390,7 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                                               nt], BLOCK=block, TB=tb, KP=kp,
                    NTP=max(kp, 1 << (nt - 1).bit_length()), CAND=cand, num_warps=warps)
     if gathered.any():
-        ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, out, vocab], BLOCK=block,
+        ops.launch(tk._gather_kernel, grid, values + [stats, state, gbuf, lanes, picks, out, vocab], BLOCK=block,
                    ITERS=iters, KP=kp, ROOM=room, num_warps=warps)
     # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():

@@ -267,7 +267,7 @@ def _online_lse(v, lmax, lsum):
 
 @triton.jit
 def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, tpieces, ccnt,
-                  stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
+                  lanes, stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
                   COUNT: tl.constexpr):
@@ -278,7 +278,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     piece. ``DRAW`` / ``LSE``: whether any row of the batch draws here / wants logprobs (a batch without leaves their
     registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
-    it). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
+    it), and the lanes' maxima themselves (``lanes``, for ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
     row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
     pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
     ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
@@ -357,6 +357,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         top_k = tl.load(p + F_TOP_K)
         kth = tl.full([], float("-inf"), tl.float32)
         if ((tl.load(p + F_FLAGS) & FLAG_TOPK) != 0) & (top_k <= BLOCK):
+            tl.store(lanes + (r * C + c).to(tl.int64) * BLOCK + tl.arange(0, BLOCK), lmax)
             ranked = tl.sort(lmax, 0, descending=True)
             kth = tl.max(tl.where(tl.arange(0, BLOCK) == top_k - 1, ranked, float("-inf")), 0)
         tl.store(base + P_KTH * plane, kth)
@@ -637,30 +638,45 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
 
 @triton.jit
 def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, gbuf,
-                   out, V, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, ROOM: tl.constexpr):
+                   lanes, picks, out, V, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
+                   ROOM: tl.constexpr):
     """A top-k row's tokens at or above its bound (``key(e) >= ST_GKEY``), as packed ``(key, BIG - id)`` into the
-    row's ROOM slots (row, chunk). The row's last program ranks them: top-k keeps every token at or above the k-th
-    key, top-p the shortest prefix (ties to the lower id) whose fixed-point mass reaches ``ceil(top_p * M)`` of
-    the kept mass ``M``, min-p ``e >= min_p``; the Gumbel-max over what is kept (``_draw_kernel``'s noise) is the
-    token, and the row is finished. More tokens than ROOM (many equal values) leave the row to the histogram
-    search, which the row's state is already set up for."""
+    row's ROOM slots (row, chunk). Only the chunk's lanes (token positions within a block) whose maximum ``s`` in
+    the stats pass reaches the bound can hold such a token: their ``key(e)`` less ``KEY_SLACK`` (a token's ``e``
+    exceeds its lane maximum's by less than that: the exponential's rounding) is compared with the bound, the
+    chosen lanes are listed in ``picks``, and only their tokens (ITERS per lane) are read. The row's last program
+    ranks the slots: top-k keeps every token at or above the k-th key, top-p the shortest prefix (ties to the lower
+    id) whose fixed-point mass reaches ``ceil(top_p * M)`` of the kept mass ``M``, min-p ``e >= min_p``; the
+    Gumbel-max over what is kept (``_draw_kernel``'s noise) is the token, and the row is finished. More tokens than
+    ROOM (many equal values) leave the row to the histogram search, which the row's state is already set up for."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     st = state + r * NUM_STATE
     if tl.load(st + ST_PEND) == PEND_GATHER:
         R = tl.num_programs(0)
+        C = tl.num_programs(1)
         m = tl.load(stats + S_M * R + r)
         gkey = tl.load(st + ST_GKEY).to(tl.int32)
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         buf = gbuf + r.to(tl.int64) * ROOM
-        for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-            start = (c * ITERS + i) * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+        lane = tl.arange(0, BLOCK)
+        at_lane = (r * C + c).to(tl.int64) * BLOCK + lane
+        lmax = tl.load(lanes + at_lane)
+        chosen = (lmax > float("-inf")) & (_e(lmax, m).to(tl.int32, bitcast=True) >= gkey - KEY_SLACK)
+        # The chosen lanes' ids side by side (their rank among the chosen), then their tokens in blocks.
+        tl.store(picks + (r * C + c).to(tl.int64) * BLOCK + tl.cumsum(chosen.to(tl.int32), 0) - 1, lane,
+                 mask=chosen)
+        tl.debug_barrier()  # every thread's picks stored before any thread reads them
+        todo = tl.sum(chosen.to(tl.int32), 0) * ITERS
+        for t in range(0, todo, BLOCK):
+            k = t + tl.arange(0, BLOCK)
+            pick = tl.load(picks + (r * C + c).to(tl.int64) * BLOCK + k // ITERS, mask=k < todo, other=0)
+            offs = tl.where(k < todo, (c * ITERS + k % ITERS) * BLOCK + pick, V)
+            x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                           slot, rep, freq, pres, inv_t, offs, V)
             key = _e(s, m).to(tl.int32, bitcast=True)
             keep = (s > float("-inf")) & (key >= gkey) & (offs < V)
-            # A slot per kept token from the row's counter: a block keeps one or two, and a scan would cost more.
+            # A slot per kept token from the row's counter: a chunk keeps few, and a scan would cost more.
             at = tl.atomic_add(st + ST_GCNT + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
             tl.store(buf + at, (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64), mask=keep & (at < ROOM))
         if _last_of_row(prm, r, R):

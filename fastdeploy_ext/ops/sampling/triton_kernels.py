@@ -660,17 +660,16 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         buf = gbuf + r.to(tl.int64) * ROOM
         lane = tl.arange(0, BLOCK)
-        at_lane = (r * C + c).to(tl.int64) * BLOCK + lane
-        lmax = tl.load(lanes + at_lane)
+        mine = (r * C + c).to(tl.int64) * BLOCK  # this program's lanes in ``lanes`` and ``picks``
+        lmax = tl.load(lanes + mine + lane)
         chosen = (lmax > float("-inf")) & (_e(lmax, m).to(tl.int32, bitcast=True) >= gkey - KEY_SLACK)
         # The chosen lanes' ids side by side (their rank among the chosen), then their tokens in blocks.
-        tl.store(picks + (r * C + c).to(tl.int64) * BLOCK + tl.cumsum(chosen.to(tl.int32), 0) - 1, lane,
-                 mask=chosen)
+        tl.store(picks + mine + tl.cumsum(chosen.to(tl.int32), 0) - 1, lane, mask=chosen)
         tl.debug_barrier()  # every thread's picks stored before any thread reads them
         todo = tl.sum(chosen.to(tl.int32), 0) * ITERS
         for t in range(0, todo, BLOCK):
             k = t + tl.arange(0, BLOCK)
-            pick = tl.load(picks + (r * C + c).to(tl.int64) * BLOCK + k // ITERS, mask=k < todo, other=0)
+            pick = tl.load(picks + mine + k // ITERS, mask=k < todo, other=0)
             offs = tl.where(k < todo, (c * ITERS + k % ITERS) * BLOCK + pick, V)
             x, s = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                            slot, rep, freq, pres, inv_t, offs, V)

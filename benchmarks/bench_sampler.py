@@ -404,11 +404,12 @@ def profile_device(args):
                       f"{np.median(issued) * 1e6:.1f} us, step (us) " + ", ".join(line), flush=True)
                 cases.append((vocab, rows, setting, logits, batch, counts))
     for vocab, rows, setting, logits, batch, counts in cases:
+        batches = [_at_positions(batch, step) for step in range(steps)]  # new uniforms each step
         for chunk, block, warps in configs:
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    sample_rows(logits, batch, counts, chunk=chunk, block=block, warps=warps)
+                for b in batches:
+                    sample_rows(logits, b, counts, chunk=chunk, block=block, warps=warps)
                 torch.cuda.synchronize()
             per = {ev.key: (ev.device_time_total / steps, ev.count / steps) for ev in prof.key_averages()
                    if ev.device_time_total > 0}
@@ -419,11 +420,24 @@ def profile_device(args):
     return 0
 
 
+def _at_positions(batch, shift):
+    """``batch`` with every row's output position moved on by ``shift``: the same rows and seeds, new uniforms."""
+    import dataclasses
+
+    from fastdeploy_ext.ops.sampling.launcher import F_POS
+
+    params = batch.params.copy()
+    params[:, F_POS] += shift
+    return dataclasses.replace(batch, params=params)
+
+
 def launches_device(args):
-    """torch on a CUDA GPU: per setting and ``--rows``, three warm-up steps and then one step with the rows' seeds
-    and positions fixed (as ``bench_device`` sets them), each launch's GPU time in order (rank rounds and histogram
-    rounds one by one, where ``--profile`` sums them per kernel). Small enough to run under Nsight Compute, which
-    should skip to the warm-up steps' launches (torch's profiler and ncu both use CUPTI)::
+    """torch on a CUDA GPU: per setting and ``--rows``, three warm-up steps and then ``--launch-steps`` steps with
+    the rows' seeds fixed (as ``bench_device`` sets them) at positions 17, 18, ..., each launch's GPU time in order
+    (rank rounds and histogram rounds one by one, where ``--profile`` sums them per kernel): the mean over the steps,
+    and the steps' smallest and largest totals (how many rows reach the later rounds varies with the draws). Small
+    enough to run under Nsight Compute with one step, which should skip to the warm-up steps' launches (torch's
+    profiler and ncu both use CUPTI)::
 
         ncu --clock-control none -k regex:_stats_kernel --launch-skip 2 --launch-count 1 \\
             python benchmarks/bench_sampler.py --device --launches --rows 256 --vocab 200064 --settings greedy
@@ -441,13 +455,21 @@ def launches_device(args):
                 _, _, counts, _, batch = device_rows(logits, rows, vocab, setting, args.seed, masks, fixed=True)
                 for _ in range(3):
                     sample_rows(logits, batch, counts)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    sample_rows(logits, batch, counts)
+                names, times = None, []
+                for step in range(args.launch_steps):
+                    b = _at_positions(batch, step)
                     torch.cuda.synchronize()
-                events = [(e.name, e.device_time_total) for e in prof.events() if e.device_time_total > 0]
-                print(f"vocab {vocab} R={rows} {setting}: {sum(t for _, t in events):.1f} us: "
-                      + ", ".join(f"{name.split('(')[0].strip()[:16]} {t:.1f}" for name, t in events), flush=True)
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        sample_rows(logits, b, counts)
+                        torch.cuda.synchronize()
+                    events = [(e.name, e.device_time_total) for e in prof.events() if e.device_time_total > 0]
+                    names = [name.split('(')[0].strip()[:16] for name, _ in events]
+                    times.append([t for _, t in events])
+                times = np.asarray(times)
+                totals = times.sum(axis=1)
+                print(f"vocab {vocab} R={rows} {setting}: {totals.mean():.1f} us (steps {totals.min():.1f} to "
+                      f"{totals.max():.1f}): " + ", ".join(f"{name} {t:.1f}" for name, t in zip(names, times.mean(0))),
+                      flush=True)
     return 0
 
 
@@ -548,6 +570,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the device results as JSON here")
     ap.add_argument("--sweep", action="store_true", help="device: also other chunk sizes")
     ap.add_argument("--profile", action="store_true", help="device: GPU time per kernel and the host's share")
+    ap.add_argument("--launch-steps", type=int, default=10, metavar="N",
+                    help="--launches: steps to average, at positions 17, 18, ... (default 10)")
     ap.add_argument("--launches", action="store_true",
                     help="device: each launch's GPU time in one fixed-seed step (a small program for ncu)")
     ap.add_argument("--issue", action="store_true",

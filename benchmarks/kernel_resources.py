@@ -9,9 +9,8 @@ block of BLOCK tokens, branches inside a loop included whether they run or not.
 
 The kernels are specialised as ``sample_rows`` launches them at R=256 and vocab 200,064 (chunks of 32,768, blocks
 of 1,024, 4 warps; integer arguments divisible by 16 marked so, as Triton's launcher does); ``--variant`` picks the
-stats kernel's specialisation (which rows the batch holds). The passes after the first rank round take 8 rows per
-program (``LATE_ROWS``), as a batch without top-k rows launches them (with top-k rows the search, ties and draw take
-one, like the first rank round).
+stats kernel's specialisation (which rows the batch holds). The rank rounds, the search, ties and draw run on chunks of
+8,192 and take their rows from work lists, as ``sample_rows`` launches them.
 
     python benchmarks/kernel_resources.py
     python benchmarks/kernel_resources.py --variant logprobs --sass-out /tmp/sass
@@ -35,7 +34,8 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
-                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, RPP=8, ROOM=512, NPP=32, CHUNK=32768)
+                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, ROOM=512, NPP=32, CHUNK=32768)
+LISTED = ("_rank_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")  # on chunks of 8,192
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
@@ -116,10 +116,11 @@ def main(argv=None) -> int:
     from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
     jobs = [(f"_stats_kernel [{v}]", "_stats_kernel", VARIANTS[v]) for v in args.variant]
-    jobs += [(name, name, {}) for name in KERNELS[1:]]
+    jobs += [(name, name, {"CHUNK": 8192, "NPP": 32} if name in LISTED else {}) for name in KERNELS[1:]]
     print(f"{'kernel':<28} {'regs':>4} {'prog/SM':>7} " + " ".join(f"{c:>6}" for c in COUNTED), flush=True)
     for label, name, extra in jobs:
-        constants = {**CONSTANTS, "BLOCK": args.block, "ITERS": CONSTANTS["CHUNK"] // args.block, **extra}
+        constants = {**CONSTANTS, **extra}
+        constants.update(BLOCK=args.block, ITERS=constants["CHUNK"] // args.block)
         cubin, sass = compile_sm90(getattr(tk, name), constants, args.warps)
         regs, ops = resources(cubin, sass)
         if args.sass_out:

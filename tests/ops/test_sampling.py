@@ -239,9 +239,10 @@ def test_kernel_frequencies_follow_the_exact_distribution():
 def test_rejected_candidates_fall_back_to_the_search(monkeypatch):
     """Temperature 3, top_p 0.3 keeps four tokens of 17 (the top one and the first by id of three tied at 1.5, ...)
     from a flat distribution, so some positions reject every candidate and run the threshold search (cutting inside
-    the tie) and the draw after them: the kernels' tokens equal the reference's, and testing one candidate more
-    instead changes some of the reference's tokens (the fallback ran)."""
-    from fastdeploy_ext.ops.sampling import reference
+    the tie) and the draw after them: the kernels' tokens equal the reference's, also when one program takes every
+    listed (row, chunk) of the search, ties and draw in turn; and testing one candidate more instead changes some
+    of the reference's tokens (the fallback ran)."""
+    from fastdeploy_ext.ops.sampling import launcher, reference
 
     params = SamplingParams(temperature=3.0, top_p=0.3, min_p=0.01)
     x = LOGITS.astype(np.float64)
@@ -250,13 +251,17 @@ def test_rejected_candidates_fall_back_to_the_search(monkeypatch):
     specs = [SampleRow(params, seed=4242, position=i) for i in positions]
     out = run(np.tile(LOGITS, (positions.size, 1)), specs, block=8, chunk=8)
     assert out.token_ids.tolist() == want.tolist()
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "LATE_PROGRAMS", 1)
+        out = run(np.tile(LOGITS, (positions.size, 1)), specs, block=8, chunk=8)
+    assert out.token_ids.tolist() == want.tolist()
     monkeypatch.setattr(reference, "CANDIDATES", reference.CANDIDATES + 1)
     assert (reference_tokens(x, 3.0, 0, 0.3, 0.01, 4242, positions) != want).any()
 
 
 def test_fallback_after_rejections_on_shorter_chunks(monkeypatch):
-    """20,000 flat logits, top_p 0.1 (half of the rows fall back): the first rank round runs on the call's chunks of
-    16,384, the later ones and the fallback's search and draw on chunks of 8,192 (three groups of the two-level
+    """20,000 flat logits, top_p 0.1 (half of the rows fall back): the stats pass runs on the call's chunks of
+    16,384, the rank rounds and the fallback's search and draw on chunks of 8,192 (three groups of the two-level
     draw); tokens as the reference's, and one candidate more changes some of them (the fallback ran)."""
     from fastdeploy_ext.ops.sampling import reference
 
@@ -294,6 +299,24 @@ def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
     assert run(x, specs, **kw).token_ids.tolist() == want
     monkeypatch.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
     assert run(x, specs, **kw).token_ids.tolist() != want
+
+
+def test_top_k_gather_reads_the_lanes_that_hold_two_tokens_above_the_bound(monkeypatch):
+    """Top 3 of a row whose three large logits sit in one lane (ids 100 and 116 in one chunk, 132 in the next; blocks
+    of 16): the gather reads the whole lane whose second largest value reaches the bound, and the first token of the
+    maximum of the others. With no histogram round launched the tokens over 32 positions equal the reference's,
+    which draws all three (a gather of lane maxima alone would miss id 116)."""
+    from fastdeploy_ext.ops.sampling import launcher
+
+    rng = np.random.default_rng(116)
+    x = rng.standard_normal(1000).astype(np.float32)
+    x[[100, 116, 132]] += np.float32([8.0, 7.9, 7.8])
+    positions = np.arange(POSITIONS)
+    want = reference_tokens(x.astype(np.float64), 1.0, 3, 1.0, 0.0, 1160, positions)
+    assert set(want.tolist()) == {100, 116, 132}
+    specs = [SampleRow(SamplingParams(temperature=1.0, top_k=3), seed=1160, position=i) for i in positions]
+    monkeypatch.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
+    assert run(np.tile(x, (POSITIONS, 1)), specs, block=16, chunk=64).token_ids.tolist() == want.tolist()
 
 
 class _NotLaunched:
@@ -337,18 +360,21 @@ def test_a_candidate_of_more_than_one_minus_top_p_is_kept_without_the_rank_pass(
 
 
 class _PendingAtFirstRank:
-    """The rank kernel, launched as usual, after noting which rows are still open at its first launch."""
+    """The rank kernel, launched as usual, after noting which rows are still open at its first launch and which rows
+    its work list holds."""
 
     def __init__(self, kernel):
-        self.kernel, self.pending = kernel, None
+        self.kernel, self.pending, self.listed = kernel, None, None
 
     def __getitem__(self, grid):
         from fastdeploy_ext.ops.sampling import triton_kernels as tk
 
         def launch(*args, **meta):
             if self.pending is None:
-                state = args[self.kernel.arg_names.index("state")].numpy().reshape(grid[0], tk.NUM_STATE.value)
+                state = args[self.kernel.arg_names.index("state")].numpy().reshape(-1, tk.NUM_STATE.value)
                 self.pending = (state[:, tk.ST_PEND.value] == tk.PEND_TEST.value).tolist()
+                lists = args[self.kernel.arg_names.index("prm")].numpy()[len(state) * (tk.NUM_FIELDS.value + 1):]
+                self.listed = sorted(lists[1:1 + lists[0]].tolist())
             self.kernel[grid](*args, **meta)
         return launch
 
@@ -373,6 +399,7 @@ def test_a_candidate_whose_likelier_tokens_share_its_pieces_is_kept_without_the_
     got = run(np.tile(edge.astype(np.float32), (POSITIONS, 1)), specs, block=4, chunk=8).token_ids
     assert got.tolist() == want.tolist()
     assert spy.pending == [bool(j not in (2, 9)) for j in first.tolist()]
+    assert spy.listed == [r for r, j in enumerate(first.tolist()) if j not in (2, 9)]
 
 
 def test_device_counts_follow_the_outputs_across_steps():

@@ -22,20 +22,21 @@ __all__ = ["PenaltyCounts", "SamplingBatch", "SamplingOutput", "sample_rows"]
 _NAMES = ("F_ROW", "F_WORK", "F_MASK", "F_FLAGS", "F_TOP_K", "F_INV_T", "F_TOP_P", "F_MIN_P", "F_SEED_LO",
           "F_SEED_HI", "F_POS", "F_NLP", "F_SLOT", "F_REP", "F_FREQ", "F_PRES", "NUM_FIELDS", "FLAG_GREEDY",
           "FLAG_TOPK", "FLAG_TOPP", "FLAG_MINP", "NUM_PLANES", "NUM_STATS", "NUM_STATE", "NUM_BUCKETS", "ERR_NAN",
-          "ERR_NONE_ALLOWED")
+          "ERR_NONE_ALLOWED", "LIST_LATE", "NUM_LISTS")
 (F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
  F_REP, F_FREQ, F_PRES, NUM_FIELDS, FLAG_GREEDY, FLAG_TOPK, FLAG_TOPP, FLAG_MINP, NUM_PLANES, NUM_STATS, NUM_STATE,
- NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED) = (int(getattr(tk, name)) for name in _NAMES)
+ NUM_BUCKETS, ERR_NAN, ERR_NONE_ALLOWED, LIST_LATE, NUM_LISTS) = (int(getattr(tk, name)) for name in _NAMES)
+assert LIST_LATE == CANDIDATES and NUM_LISTS == CANDIDATES + 1
 MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams allows 20)
 SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
 TOP_CANDIDATES_PER_LIST = 16  # per row, times its list's length: room for the top-logprob candidates
 TOPS_PIECE_BLOCKS = 2  # blocks per piece whose raw maximum the stats pass keeps for the top logprobs
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
-# Rows per program of the passes that only a top-p batch's fallen-back rows reach (search, ties, draw): one program
-# checks 8 rows' states in one load, where a program per row would cost each finished row a program (the loop over
-# rows costs registers: these passes run 2-4 programs per SM instead of 3-8).
-LATE_ROWS = 8
+# Programs per multiprocessor (on the CPU interpreter: in all) of the search, ties and draw, which share the (row,
+# chunk) items of the rows listed for them and usually see none: one wave of the histogram's (two per multiprocessor
+# at its registers). Items beyond them take turns in a program. (The rank rounds run a program per item.)
+LATE_PROGRAMS = 2
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
@@ -301,8 +302,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
         raise ValueError(f"logits must be float32, bfloat16 or float16, got {_dtype_name(logits)}")
     if int(logits.stride()[1] if callable(getattr(logits, "stride", None)) else 1) != 1:
         raise ValueError("logits rows must be contiguous")
+    sms = ops.num_sms(logits)
     if chunk is None:
-        sms = ops.num_sms(logits)
         chunk = LONG_CHUNK if sms and len(batch.params) * -(-vocab // LONG_CHUNK) >= 2 * sms else SHORT_CHUNK
     if chunk % block or block % 4 or (chunk % GROUP and GROUP % chunk) or GROUP % block:
         raise ValueError(f"chunk ({chunk}) must be a multiple of block ({block}), block of 4, and block and chunk "
@@ -331,8 +332,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if (slots >= 0).any() and (counts is None or counts.vocab != vocab or slots.max() >= counts.capacity):
         raise ValueError("counts: rows with penalties need the PenaltyCounts of this vocabulary their slots index")
     stride_l = _row_stride(logits)
-    # The rows' tickets (zero) ride on the parameters' upload.
-    dev_params = ops.from_host(np.concatenate([params.ravel(), np.zeros(n, np.int32)]), logits)
+    # The rows' tickets and the work lists (zero) ride on the parameters' upload.
+    dev_params = ops.from_host(np.concatenate([params.ravel(), np.zeros(n + NUM_LISTS * (n + 1), np.int32)]), logits)
     dummy_f = ops.empty([1], "float32", logits)
     chunks = -(-vocab // chunk)
     work, stride_w = dummy_f, 0
@@ -347,8 +348,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if batch.bitmask is not None:
         bitmask, stride_m = ops.from_host(batch.bitmask, logits), batch.bitmask.shape[1]
     table, stride_c = (counts.table, counts.row_len) if counts is not None else (dev_params, 0)
-    # Rank rounds after the first and a top-p / min-p row's fallback see few rows: shorter chunks, more programs
-    # per row, so that one row's pass does not take a long program's latency.
+    # The rank rounds and a top-p / min-p row's fallback see few rows: shorter chunks, more programs per row, so that
+    # one row's pass does not take a long program's latency.
     late_chunk = min(chunk, SHORT_CHUNK)
     late_chunks = -(-vocab // late_chunk)
     cp = max(2, 1 << (max(chunks, late_chunks) - 1).bit_length())
@@ -375,7 +376,7 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     gathered = ((flags & FLAG_TOPK) != 0) & (params[:, F_TOP_K] <= block)
     room = min(TOPK_ROOM, max(256, 1 << (chunks * int(params[gathered, F_TOP_K].max(initial=1)) - 1).bit_length()))
     gbuf = ops.empty([n * room if gathered.any() else 1], "int64", logits)
-    lanes = ops.empty([n * chunks * block if gathered.any() else 1], "float32", logits)
+    lanes = ops.empty([3 * n * chunks * block if gathered.any() else 1], "float32", logits)
     picks = ops.empty([n * chunks * block if gathered.any() else 1], "int32", logits)
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     grid = (n, chunks)
@@ -394,30 +395,24 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                    ITERS=iters, KP=kp, ROOM=room, num_warps=warps)
     # top-p / min-p rows without top-k test candidates first (README.md); rows still open fall back to the search.
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
-        rounds = [(chunk, chunks, piece, num_pieces)] + [(late_chunk, late_chunks, late_piece, late_pieces)] * (
-            CANDIDATES - 1)
-        for n_cand, (c_n, cs_n, p_n, np_n) in enumerate(rounds):
-            ops.launch(tk._rank_kernel, (n, cs_n),
-                       values + [stats, state, hcnt, hmass, pieces, out, vocab, cs_n, np_n,
-                                 int(n_cand == CANDIDATES - 1)],
-                       NB=NUM_BUCKETS, BLOCK=block, ITERS=c_n // block, KP=kp, PIECE=p_n,
-                       NGP=ngp, NPP=max(2, 1 << (np_n - 1).bit_length()), num_warps=warps)
-    if not (flags & FLAG_TOPK).any():  # only fallen-back rows search and draw below
-        rpp, iters, chunks_d = LATE_ROWS, late_chunk // block, late_chunks
-    else:
-        rpp, chunks_d = 1, chunks
-    grid = (-(-n // rpp), chunks_d)
+        for k in range(CANDIDATES):
+            ops.launch(tk._rank_kernel, (n * late_chunks,),
+                       values + [stats, state, hcnt, hmass, pieces, out, vocab, n, late_chunks, late_pieces, k],
+                       NB=NUM_BUCKETS, BLOCK=block, ITERS=late_chunk // block, KP=kp, PIECE=late_piece,
+                       NGP=ngp, NPP=max(2, 1 << (late_pieces - 1).bit_length()), num_warps=warps)
+    # The rows listed for the search and the draw: top-k rows the gather did not settle, rows after their candidates.
+    grid, iters = (min(n * late_chunks, LATE_PROGRAMS * (sms or 1)),), late_chunk // block
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold
     searching = (flags & (FLAG_TOPK | FLAG_TOPP)) != 0
     for _ in range(ROUNDS_PER_SEARCH * (2 if both.any() else 1) if searching.any() else 0):
-        ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab, n], NB=NUM_BUCKETS,
-                   BLOCK=block, ITERS=iters, RPP=rpp, num_warps=warps)
+        ops.launch(tk._hist_kernel, grid, values + [stats, state, hcnt, hmass, vocab, late_chunks, n],
+                   NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, num_warps=warps)
     if (flags & FLAG_TOPP).any():
-        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, chunks_d, n], BLOCK=block,
-                   ITERS=iters, RPP=rpp, num_warps=warps)
+        ops.launch(tk._ties_kernel, grid, values + [part, stats, state, vocab, late_chunks, n], BLOCK=block,
+                   ITERS=iters, num_warps=warps)
     if ((flags & (FLAG_TOPK | FLAG_TOPP | FLAG_MINP)) != 0).any():
-        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, out, vocab, chunks_d, n], CP=cp,
-                   BLOCK=block, ITERS=iters, KP=kp, RPP=rpp, num_warps=warps)
+        ops.launch(tk._draw_kernel, grid, values + [part, stats, state, out, vocab, late_chunks, n], CP=cp,
+                   BLOCK=block, ITERS=iters, KP=kp, num_warps=warps)
     host = np.asarray(ops.to_host(out))
     codes = host[:, 1].copy()
     tokens = np.where(codes == 0, host[:, 0], -1).astype(np.int64)

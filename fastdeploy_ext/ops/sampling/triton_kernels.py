@@ -27,15 +27,18 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 
 ``_counts_reset_kernel`` and ``_counts_add_kernel`` set up a request's counts row once (prompt and output so far).
 
-The histogram, ties and draw kernels take ``RPP`` rows per program (``_row_states``): the launcher gives 8 where
-only a top-p batch's fallen-back rows reach them, else 1.
+The rank, histogram, ties and draw kernels take their rows from work lists (``_num_items``, ``_item``): the stats
+pass lists the top-p / min-p rows whose first candidate waits for a rank pass, and the rows that need the search or
+the draw (top-k rows it does not leave to the gather); each rank round lists the rows it rejects for the next round
+and the last one those that fall back to the search; the gather lists the rows it cannot settle. A pass's programs
+share the listed rows' (row, chunk) items, so its cost follows the rows still open, not the batch.
 """
 
 import triton
 import triton.language as tl
 
 # Per-row parameters, one int32 row each (floats stored as their bit patterns), followed by one int32 ticket per
-# row (zero between passes). Globals a kernel reads must be constexpr; the launcher takes their int values.
+# row (zero between passes), then NUM_LISTS work lists of R + 1 ints (a count, then row ids; zeroed by the upload). Globals a kernel reads must be constexpr; the launcher takes their int values.
 (F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
  F_REP, F_FREQ, F_PRES) = (tl.constexpr(i) for i in range(16))
 NUM_FIELDS = tl.constexpr(16)
@@ -73,6 +76,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 NUM_BUCKETS = tl.constexpr(2048)
 SHIFT1 = tl.constexpr(19)
 SHIFT2 = tl.constexpr(8)
+# Work lists: rows for rank round k (k < 3, the reference's CANDIDATES), then the rows whose candidates were all
+# rejected (the fallback's search, ties and draw).
+LIST_LATE = tl.constexpr(3)
+NUM_LISTS = tl.constexpr(4)
 GROUP = tl.constexpr(8192)  # tokens per group of the two-level draw (reference.GROUP)
 MASS_SCALE = tl.constexpr(1099511627776.0)  # 2^40: e in fixed point; V * 2^40 < 2^63 for V < 2^23
 
@@ -227,17 +234,39 @@ def _modify_kernel(logits, stride_l, work, stride_w, mods, entries, num_entries,
 
 
 @triton.jit
-def _last_of_row(prm, r, R):
-    """Whether this program is the last of row ``r``'s (row, chunk) programs to get here; the last one resets the
+def _last_of_row(prm, r, R, C):
+    """Whether this program is the last of row ``r``'s ``C`` (row, chunk) items to get here; the last one resets the
     row's ticket for the next pass. The barrier orders every thread's stores before the ticket (an acq_rel atomic)
     that publishes them, so the last program reads the others' partials."""
     tl.debug_barrier()
     tick = prm + R * NUM_FIELDS + r
-    last = tl.atomic_add(tick, 1) == tl.num_programs(1) - 1
+    last = tl.atomic_add(tick, 1) == C - 1
     if last:
         tl.store(tick, 0)
     tl.debug_barrier()
     return last
+
+
+@triton.jit
+def _append(prm, R, k, r):
+    """Row ``r`` onto work list ``k`` (after the parameters and tickets in ``prm``'s buffer: a count, then row ids)."""
+    lst = prm + R * (NUM_FIELDS + 1) + k * (R + 1)
+    tl.store(lst + 1 + tl.atomic_add(lst, 1), r)
+
+
+@triton.jit
+def _num_items(prm, R, k, C):
+    """How many (row, chunk) items work list ``k`` holds: ``C`` chunks per listed row. Program ``i`` of the
+    one-dimensional grid of such a pass takes item ``i``, or items ``i``, ``i + P``, ``i + 2P``, ... of a grid of
+    ``P`` programs, about as many as the GPU holds at once: a few listed rows leave most of them only the count to
+    read, many rows keep all of them busy."""
+    return tl.load(prm + R * (NUM_FIELDS + 1) + k * (R + 1)) * C
+
+
+@triton.jit
+def _item(prm, R, k, C, i):
+    """(row, chunk) of item ``i`` of work list ``k``."""
+    return tl.load(prm + R * (NUM_FIELDS + 1) + k * (R + 1) + 1 + i // C), i % C
 
 
 @triton.jit
@@ -278,7 +307,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     piece. ``DRAW`` / ``LSE``: whether any row of the batch draws here / wants logprobs (a batch without leaves their
     registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
-    it), and the lanes' maxima themselves (``lanes``, for ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
+    it), and per lane its maximum, the first id of it and its second largest value (``lanes``, for
+    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
     row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
     pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
     ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
@@ -300,6 +330,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     lrsum = tl.zeros([BLOCK], tl.float32)
     pm = tl.full([BLOCK], LOWEST, tl.float32)
     ps = tl.zeros([BLOCK], tl.float32)
+    if KSEL:
+        lsec = tl.full([BLOCK], float("-inf"), tl.float32)
     R = tl.num_programs(0)
     if TOPS:
         lpr = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -339,6 +371,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                 ps = tl.zeros([BLOCK], tl.float32)
         else:
             up = s > lmax  # strictly: a lane keeps its first (lowest) id among equal values
+            if KSEL:
+                lsec = tl.maximum(lsec, tl.minimum(s, lmax))  # the second largest, a repeat of the largest included
             larg = tl.where(up, offs, larg)
             lmax = tl.where(up, s, lmax)
     m = tl.max(lmax, 0)
@@ -357,14 +391,18 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         top_k = tl.load(p + F_TOP_K)
         kth = tl.full([], float("-inf"), tl.float32)
         if ((tl.load(p + F_FLAGS) & FLAG_TOPK) != 0) & (top_k <= BLOCK):
-            tl.store(lanes + (r * C + c).to(tl.int64) * BLOCK + tl.arange(0, BLOCK), lmax)
+            at = lanes + (r * C + c).to(tl.int64) * (3 * BLOCK) + tl.arange(0, BLOCK)
+            tl.store(at, lmax)
+            tl.store(at + BLOCK, lsec)
+            tl.store(at + 2 * BLOCK, larg.to(tl.float32, bitcast=True))
             ranked = tl.sort(lmax, 0, descending=True)
             kth = tl.max(tl.where(tl.arange(0, BLOCK) == top_k - 1, ranked, float("-inf")), 0)
         tl.store(base + P_KTH * plane, kth)
-    if _last_of_row(prm, r, R):
+    if _last_of_row(prm, r, R, C):
         if TOPS:
             tl.store(ccnt + r, 0)
-        token, err, rm, lrel, m = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL, BLOCK)
+        token, err, rm, lrel, m, late = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL,
+                                                     BLOCK)
         flags = tl.load(p + F_FLAGS)
         kept = False
         if fused & (err == 0):
@@ -379,9 +417,13 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                 kept = _kept_at_once(p, pieces, r, R, NP, m, tl.max(s1, 0), PIECE, NGP)
                 if kept:
                     tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
+                else:
+                    _append(prm, R, 0, r)
             token = cand
         if ((flags & FILTERS) == 0) | ((flags & FLAG_GREEDY) != 0) | (err != 0) | kept:
             _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err, rm, lrel, V, KP)
+        if late:
+            _append(prm, R, LIST_LATE, r)  # the search (when set up) and the draw
 
 
 @triton.jit
@@ -417,8 +459,9 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
     """Row ``r``'s chunks combined (max, log-sum-exp of the raw row, arg-max, errors); the row's histograms
     zeroed and its threshold search set up; a top-k row with k <= KMAX (when ``KSEL``) set up for the gather
     above its bound: the largest of its chunks' bounds, since one chunk holds k tokens at or above it. Returns
-    (arg-max, error code, the raw maximum, log of the raw row's sum of exp(x - that maximum), max s): a logprob
-    is ``(x - maximum) - log-sum``, exact near 0 where ``x - log-sum-exp`` would lose it at large logits."""
+    (arg-max, error code, the raw maximum, log of the raw row's sum of exp(x - that maximum), max s (a logprob
+    is ``(x - maximum) - log-sum``, exact near 0 where ``x - log-sum-exp`` would lose it at large logits), and
+    whether the row needs the search or the draw kernel without the gather (the caller lists it)."""
     R = tl.num_programs(0)
     plane = R * C
     cs = tl.arange(0, CP)
@@ -474,7 +517,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
         gkey = tl.maximum(_e(bound, m).to(tl.int32, bitcast=True) - KEY_SLACK, 0)
         tl.store(st + ST_GKEY, gkey.to(tl.int64))
         tl.store(st + ST_GCNT, tl.zeros([], tl.int64))
-    return token, err, rm, lrel, m
+    return token, err, rm, lrel, m, (draw != 0) & (pend != PEND_GATHER)
 
 
 @triton.jit
@@ -546,34 +589,22 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 
 
 @triton.jit
-def _row_states(state, field, R, closed, RPP: tl.constexpr):
-    """State ``field`` of this program's RPP rows (``program_id(0) * RPP + j``; ``closed`` past R) in one load. The
-    search, ties and draw of a top-p batch's fallen-back rows run for the few rows still open; their programs check
-    RPP rows at once, where one program per row would cost each finished row a program's launch and a load."""
-    rows = tl.program_id(0) * RPP + tl.arange(0, RPP)
-    return tl.load(state + rows * NUM_STATE + field, mask=rows < R, other=closed)
-
-
-@triton.jit
-def _state_of(states, jr, RPP: tl.constexpr):
-    """Row ``jr``'s entry of ``_row_states``."""
-    return tl.sum(tl.where(tl.arange(0, RPP) == jr, states, 0), 0)
-
-
-@triton.jit
 def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, pieces, out, V, C, NP, last_round, NB: tl.constexpr, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
-    """The rank test of a top-p / min-p row's candidate ``j`` (row, chunk): per piece the masses of the allowed
-    tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them. The row's last program keeps
-    ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and finishes the row; else it
-    draws the next candidate from the tokens above ``j`` (the two-level draw over those masses) for the next
-    round, or after the last round sets up the threshold search and ``_draw_kernel``."""
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    st = state + r * NUM_STATE
-    if tl.load(st + ST_PEND) == PEND_TEST:
-        R = tl.num_programs(0)
+                 hmass, pieces, out, V, R, C, NP, k, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                 KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
+    """Round ``k`` of the rank test of a top-p / min-p row's candidate ``j`` (the ``C`` chunks of each row of work
+    list ``k``): per
+    piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them.
+    The row's last program keeps ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and
+    finishes the row; else it draws the next candidate from the tokens above ``j`` (the two-level draw over those
+    masses) and lists the row for the next round, or after the last round sets up the threshold search and
+    ``_draw_kernel`` and lists the row for them."""
+    # One item per program (a loop over items would cost 33 registers: 4 programs per SM instead of 5, which the
+    # first round, where every row may be listed, needs); the listed items are the grid's first programs.
+    i = tl.program_id(0)
+    if i < _num_items(prm, R, k, C):
+        r, c = _item(prm, R, k, C, i)
+        st = state + r * NUM_STATE
         m = tl.load(stats + S_M * R + r)
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         cand = tl.load(st + ST_CAND).to(tl.int32)
@@ -584,8 +615,8 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         fa = tl.zeros([BLOCK], tl.float32)
         ft = tl.zeros([BLOCK], tl.float32)
         nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
-        for i in range(nblk):
-            start = (c * ITERS + i) * BLOCK
+        for b in range(nblk):
+            start = (c * ITERS + b) * BLOCK
             offs = start + tl.arange(0, BLOCK)
             x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                  mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
@@ -595,12 +626,12 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
             fa += tl.where(up, e, 0.0)
             ft += tl.where(ok, e, 0.0)
-            if (((i + 1) % (PIECE // BLOCK)) == 0) | (i == nblk - 1):
+            if (((b + 1) % (PIECE // BLOCK)) == 0) | (b == nblk - 1):
                 tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
                 tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
                 fa = tl.zeros([BLOCK], tl.float32)
                 ft = tl.zeros([BLOCK], tl.float32)
-        if _last_of_row(prm, r, R):
+        if _last_of_row(prm, r, R, C):
             # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
             js = tl.arange(0, NPP)
             a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
@@ -617,13 +648,14 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, out, r, cand, 0,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
-            elif last_round != 0:
+            elif k == LIST_LATE - 1:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 tl.store(st + ST_RND, stream)
                 tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
                 if (flags & FLAG_TOPP) != 0:
                     _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
                                   NB)
+                _append(prm, R, LIST_LATE, r)
             else:
                 k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
                 k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
@@ -634,6 +666,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                                    stream.to(tl.uint32), m, kc, cand, BLOCK)
                 tl.store(st + ST_CAND, nxt.to(tl.int64))
                 tl.store(st + ST_RND, stream)
+                _append(prm, R, k + 1, r)
 
 
 @triton.jit
@@ -643,8 +676,10 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
     """A top-k row's tokens at or above its bound (``key(e) >= ST_GKEY``), as packed ``(key, BIG - id)`` into the
     row's ROOM slots (row, chunk). Only the chunk's lanes (token positions within a block) whose maximum ``s`` in
     the stats pass reaches the bound can hold such a token: their ``key(e)`` less ``KEY_SLACK`` (a token's ``e``
-    exceeds its lane maximum's by less than that: the exponential's rounding) is compared with the bound, the
-    chosen lanes are listed in ``picks``, and only their tokens (ITERS per lane) are read. The row's last program
+    exceeds its lane maximum's by less than that: the exponential's rounding) is compared with the bound. Of a lane
+    whose second largest value falls short the same way, only the first token of its maximum can be such a token,
+    and only that one is read; the other chosen lanes are listed in ``picks`` and all their tokens (ITERS per
+    lane) are read. The row's last program
     ranks the slots: top-k keeps every token at or above the k-th key, top-p the shortest prefix (ties to the lower
     id) whose fixed-point mass reaches ``ceil(top_p * M)`` of the kept mass ``M``, min-p ``e >= min_p``; the
     Gumbel-max over what is kept (``_draw_kernel``'s noise) is the token, and the row is finished. More tokens than
@@ -660,13 +695,23 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
         row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
         buf = gbuf + r.to(tl.int64) * ROOM
         lane = tl.arange(0, BLOCK)
-        mine = (r * C + c).to(tl.int64) * BLOCK  # this program's lanes in ``lanes`` and ``picks``
-        lmax = tl.load(lanes + mine + lane)
+        mine = (r * C + c).to(tl.int64) * BLOCK  # this program's lanes in ``picks``, and a third of them in ``lanes``
+        lmax = tl.load(lanes + 3 * mine + lane)
+        lsec = tl.load(lanes + 3 * mine + BLOCK + lane)
         chosen = (lmax > float("-inf")) & (_e(lmax, m).to(tl.int32, bitcast=True) >= gkey - KEY_SLACK)
-        # The chosen lanes' ids side by side (their rank among the chosen), then their tokens in blocks.
-        tl.store(picks + mine + tl.cumsum(chosen.to(tl.int32), 0) - 1, lane, mask=chosen)
+        whole = chosen & (lsec > float("-inf")) & (_e(lsec, m).to(tl.int32, bitcast=True) >= gkey - KEY_SLACK)
+        one = tl.where(chosen & ~whole, tl.load(lanes + 3 * mine + 2 * BLOCK + lane).to(tl.int32, bitcast=True), V)
+        _, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot,
+                        rep, freq, pres, inv_t, one, V)
+        key1 = _e(s1, m).to(tl.int32, bitcast=True)
+        keep1 = (s1 > float("-inf")) & (key1 >= gkey) & (one < V)
+        # A slot per kept token from the row's counter: a chunk keeps few, and a scan would cost more.
+        at1 = tl.atomic_add(st + ST_GCNT + tl.zeros([BLOCK], tl.int32), 1, mask=keep1, sem="relaxed")
+        tl.store(buf + at1, (key1.to(tl.int64) << 32) | (-one + BIG).to(tl.int64), mask=keep1 & (at1 < ROOM))
+        # The other chosen lanes' ids side by side (their rank among them), then their tokens in blocks.
+        tl.store(picks + mine + tl.cumsum(whole.to(tl.int32), 0) - 1, lane, mask=whole)
         tl.debug_barrier()  # every thread's picks stored before any thread reads them
-        todo = tl.sum(chosen.to(tl.int32), 0) * ITERS
+        todo = tl.sum(whole.to(tl.int32), 0) * ITERS
         for t in range(0, todo, BLOCK):
             k = t + tl.arange(0, BLOCK)
             pick = tl.load(picks + mine + k // ITERS, mask=k < todo, other=0)
@@ -675,10 +720,9 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
                            slot, rep, freq, pres, inv_t, offs, V)
             key = _e(s, m).to(tl.int32, bitcast=True)
             keep = (s > float("-inf")) & (key >= gkey) & (offs < V)
-            # A slot per kept token from the row's counter: a chunk keeps few, and a scan would cost more.
             at = tl.atomic_add(st + ST_GCNT + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
             tl.store(buf + at, (key.to(tl.int64) << 32) | (-offs + BIG).to(tl.int64), mask=keep & (at < ROOM))
-        if _last_of_row(prm, r, R):
+        if _last_of_row(prm, r, R, C):
             n = tl.load(st + ST_GCNT, cache_modifier=".cg")
             if n <= ROOM:
                 p = prm + r * NUM_FIELDS
@@ -709,21 +753,21 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
                 tl.store(st + ST_DRAW, tl.zeros([], tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, 0,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
+            else:
+                _append(prm, R, LIST_LATE, r)  # the search, which the row's state is set up for, and the draw
             tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
 
 
 @triton.jit
 def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, V, R, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, RPP: tl.constexpr):
+                 hmass, V, C, R, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """One search round over (row, chunk): counts and fixed-point masses of the allowed tokens with keys in the
     row's range ``[lo, hi)`` and at least ``floor``, by bucket ``(key - lo) >> shift``. Integer sums, so the
     result does not depend on the order of the atomic adds."""
-    c = tl.program_id(1)
-    states = _row_states(state, ST_PHASE, R, PHASE_DONE, RPP)
-    for jr in range(RPP):
-        r = tl.program_id(0) * RPP + jr
+    for i in range(tl.program_id(0), _num_items(prm, R, LIST_LATE, C), tl.num_programs(0)):
+        r, c = _item(prm, R, LIST_LATE, C, i)
         st = state + r * NUM_STATE
-        if _state_of(states, jr, RPP) != PHASE_DONE:
+        if tl.load(st + ST_PHASE) != PHASE_DONE:
             m = tl.load(stats + S_M * R + r)
             lo = tl.load(st + ST_LO).to(tl.int32)
             hi = tl.load(st + ST_HI).to(tl.int32)
@@ -736,19 +780,19 @@ def _hist_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             phase = tl.load(st + ST_PHASE)
             counted = (phase == PHASE_K) | (shift != SHIFT1) | (floor > 0)
             weighed = (phase == PHASE_P) | ((tl.load(prm + r * NUM_FIELDS + F_FLAGS) & FLAG_TOPP) != 0)
-            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-                start = (c * ITERS + i) * BLOCK
+            for b in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + b) * BLOCK
                 offs = start + tl.arange(0, BLOCK)
                 x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                      mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
                 e = _e(s, m)
                 key = e.to(tl.int32, bitcast=True)
                 inr = (s > float("-inf")) & (key >= lo) & (key < hi) & (key >= floor) & (offs < V)
-                b = r * NB + ((key - lo) >> shift)
+                bucket = r * NB + ((key - lo) >> shift)
                 # Relaxed: the row's ticket below orders these adds before its last program reads the sums.
-                tl.atomic_add(hcnt + b, tl.full([BLOCK], 1, tl.int32), mask=inr & counted, sem="relaxed")
-                tl.atomic_add(hmass + b, (e * MASS_SCALE).to(tl.int64), mask=inr & weighed, sem="relaxed")
-            if _last_of_row(prm, r, R):
+                tl.atomic_add(hcnt + bucket, tl.full([BLOCK], 1, tl.int32), mask=inr & counted, sem="relaxed")
+                tl.atomic_add(hmass + bucket, (e * MASS_SCALE).to(tl.int64), mask=inr & weighed, sem="relaxed")
+            if _last_of_row(prm, r, R, C):
                 _select_row(prm, state, hcnt, hmass, r, NB)
 
 
@@ -827,21 +871,19 @@ def _select_row(prm, state, hcnt, hmass, r, NB: tl.constexpr):
 
 @triton.jit
 def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, V,
-                 C, R, BLOCK: tl.constexpr, ITERS: tl.constexpr, RPP: tl.constexpr):
+                 C, R, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """Per (row, chunk) of a row whose top-p threshold value only some of its tokens pass: how many tokens of the
     chunk have it (the draw ranks them by id across chunks)."""
-    c = tl.program_id(1)
-    states = _row_states(state, ST_NEED, R, -1, RPP)
-    for jr in range(RPP):
-        r = tl.program_id(0) * RPP + jr
+    for i in range(tl.program_id(0), _num_items(prm, R, LIST_LATE, C), tl.num_programs(0)):
+        r, c = _item(prm, R, LIST_LATE, C, i)
         st = state + r * NUM_STATE
-        if _state_of(states, jr, RPP) >= 0:
+        if tl.load(st + ST_NEED) >= 0:
             m = tl.load(stats + S_M * R + r)
             thr = tl.load(st + ST_THR).to(tl.int32)
             row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
             n = 0
-            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-                start = (c * ITERS + i) * BLOCK
+            for b in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + b) * BLOCK
                 offs = start + tl.arange(0, BLOCK)
                 x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                      mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
@@ -852,18 +894,15 @@ def _ties_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
 
 @triton.jit
 def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state, out,
-                 V, C, R, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr,
-                 RPP: tl.constexpr):
+                 V, C, R, CP: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr):
     """Gumbel-max over the kept tokens of a chunk (rows with a filter): ``key(e) > thr``, or ``= thr`` and among
     the first ``need`` such ids of the row, and ``e >= min_p``; the chunk's best (score, id). The row's last
     program takes the best chunk and finishes the row."""
-    c = tl.program_id(1)
-    states = _row_states(state, ST_DRAW, R, 0, RPP)
-    for jr in range(RPP):
-        r = tl.program_id(0) * RPP + jr
+    for i in range(tl.program_id(0), _num_items(prm, R, LIST_LATE, C), tl.num_programs(0)):
+        r, c = _item(prm, R, LIST_LATE, C, i)
         st = state + r * NUM_STATE
         p = prm + r * NUM_FIELDS
-        if _state_of(states, jr, RPP) != 0:
+        if tl.load(st + ST_DRAW) != 0:
             err = tl.load(stats + S_ERR * R + r).to(tl.int32, bitcast=True)
             stream = tl.load(st + ST_RND).to(tl.uint32)
             row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)
@@ -881,8 +920,8 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 seen = tl.sum(ties, 0)
             best = float("-inf")
             bid = BIG
-            for i in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
-                start = (c * ITERS + i) * BLOCK
+            for b in range(tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))):
+                start = (c * ITERS + b) * BLOCK
                 offs = start + tl.arange(0, BLOCK)
                 x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                      mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
@@ -903,7 +942,7 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             plane = R * C
             tl.store(part + P_BEST * plane + r * C + c, best)
             tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
-            if _last_of_row(prm, r, R):
+            if _last_of_row(prm, r, R, C):
                 cs = tl.arange(0, CP)
                 cm = cs < C
                 pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
@@ -948,7 +987,7 @@ def _tops_kernel(logits, stride_l, prm, tpieces, cands, ccnt, stats, out, V, NT,
                 # A slot per candidate from the row's counter (zeroed by the stats pass): few per block.
                 at = tl.atomic_add(ccnt + r + tl.zeros([BLOCK], tl.int32), 1, mask=keep, sem="relaxed")
                 tl.store(scr + at, packed, mask=keep & (at < CAND))
-        if _last_of_row(prm, r, R):
+        if _last_of_row(prm, r, R, tl.num_programs(1)):
             n = tl.atomic_add(ccnt + r, 0)
             if n <= CAND:
                 k = tl.arange(0, CAND)

@@ -108,7 +108,7 @@ def _penalized(v, c, rep, freq, pres):
     """``v`` with the penalties of count ``c`` (``2 * output count + seen in the prompt``). ``v * (1 / rep)`` is
     ``v / rep`` as the GPU divides (the numerator times the approximate reciprocal) with the reciprocal taken once,
     not per value."""
-    v = tl.where(c > 0, tl.where(v > 0, v * (1.0 / rep), v * rep), v)
+    v = v * tl.where(c > 0, tl.where(v > 0, 1.0 / rep, rep), 1.0)  # one product: the same floats as selecting two
     return v - ((c >> 1).to(tl.float32) * freq + tl.where(c >= 2, pres, 0.0))
 
 
@@ -157,8 +157,9 @@ def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     if slot >= 0:
         crow = counts + slot.to(tl.int64) * stride_c
         nib = _nibbles(tl.load(crow + V + (q >> 3), mask=q * 4 < V, other=0), q)
+        # An unseen token's count is 0 (its bit is set with its count), so a run's 4 counts need no per-token mask.
         four = tl.load(crow + q[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(nib != 0)[:, None], other=0)
-        v = _penalized(v, tl.where(_token_bits(nib, offs, BLOCK), tl.reshape(four, [BLOCK]), 0), rep, freq, pres)
+        v = _penalized(v, tl.reshape(four, [BLOCK]), rep, freq, pres)
     if mrow >= 0:
         nib = _nibbles(tl.load(bitmask + mrow.to(tl.int64) * stride_m + (q >> 3), mask=q * 4 < V, other=0), q)
         v = tl.where(_token_bits(nib, offs, BLOCK), v, float("-inf"))

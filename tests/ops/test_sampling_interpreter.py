@@ -14,12 +14,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(540)  # the subprocess's own bound is 480 s
 
 
-# Five parts, each in its own process within the bound (the interpreter runs each (row, chunk) program in Python).
+# Six parts, each in its own process within the bound (the interpreter runs each (row, chunk) program in Python).
 @pytest.mark.parametrize("select", ["exact_distribution_searched",
                                     "exact_distribution and not searched and not kernel_frequencies",
-                                    "kernel_frequencies", "without_the_rank_pass",
-                                    "not exact_distribution and not kernel_frequencies and not without_the_rank_pass"],
-                         ids=["searched cases", "other cases", "kernel frequencies", "first candidates", "the rest"])
+                                    "kernel_frequencies", "without_the_rank_pass", "top_k_rows or top_k_gather",
+                                    "not exact_distribution and not kernel_frequencies and not without_the_rank_pass "
+                                    "and not top_k_rows and not top_k_gather"],
+                         ids=["searched cases", "other cases", "kernel frequencies", "first candidates", "top-k gather",
+                              "the rest"])
 def test_sampling_kernels_under_the_interpreter(select):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(["timeout", "480", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

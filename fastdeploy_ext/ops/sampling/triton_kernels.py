@@ -144,19 +144,35 @@ def _token_bits(nib, offs, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _presence(counts, stride_c, slot, start, V, BLOCK: tl.constexpr):
+    """The presence words of tokens ``start .. start + BLOCK`` as ``_block_values`` reads them (one per run of 4
+    tokens; zeros for a row without penalties)."""
+    q = start // 4 + tl.arange(0, BLOCK // 4)
+    words = tl.zeros([BLOCK // 4], tl.int32)
+    if slot >= 0:
+        words = tl.load(counts + slot.to(tl.int64) * stride_c + V + (q >> 3), mask=q * 4 < V, other=0)
+    return words
+
+
+@triton.jit
 def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
-                  freq, pres, inv_t, start, V, BLOCK: tl.constexpr):
+                  freq, pres, inv_t, start, V, BLOCK: tl.constexpr, words=None):
     """``_values`` of the tokens ``start .. start + BLOCK`` (start a multiple of 4). A thread holds runs of 4
     tokens, which share a word of the presence bits and of the mask: the words are read once per run and the
     counts of a run with a bit set as one 16-byte load, where per-token loads of words and masked counts cost 16
-    load instructions per thread and block (8 per token run of the logits' two)."""
+    load instructions per thread and block (8 per token run of the logits' two). ``words``: the block's presence
+    words (``_presence``) when the caller loaded them ahead; else they are loaded here, and the counts' load waits
+    for them."""
     offs = start + tl.arange(0, BLOCK)
     x = _base(logits, stride_l, work, stride_w, row, wrow, offs, V)
     v = x
     q = start // 4 + tl.arange(0, BLOCK // 4)
     if slot >= 0:
         crow = counts + slot.to(tl.int64) * stride_c
-        nib = _nibbles(tl.load(crow + V + (q >> 3), mask=q * 4 < V, other=0), q)
+        if words is None:
+            nib = _nibbles(tl.load(crow + V + (q >> 3), mask=q * 4 < V, other=0), q)
+        else:
+            nib = _nibbles(words, q)
         # An unseen token's count is 0 (its bit is set with its count), so a run's 4 counts need no per-token mask.
         four = tl.load(crow + q[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(nib != 0)[:, None], other=0)
         v = _penalized(v, tl.reshape(four, [BLOCK]), rep, freq, pres)
@@ -300,7 +316,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                   lanes, stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
-                  COUNT: tl.constexpr):
+                  COUNT: tl.constexpr, PEN: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
@@ -309,7 +325,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
     it), and per lane its maximum, the first id of it and its second largest value (``lanes``, for
-    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. Rows that draw here need the
+    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. ``PEN``: whether a row has penalties,
+whose presence words are then loaded a block ahead (the counts' loads wait for them; the words cost registers). Rows that draw here need the
     row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
     pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
     ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
@@ -337,11 +354,20 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     if TOPS:
         lpr = tl.full([BLOCK], float("-inf"), tl.float32)
     nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+    if PEN:
+        words = _presence(counts, stride_c, slot, c * ITERS * BLOCK, V, BLOCK)
     for i in range(nblk):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
-                             slot, rep, freq, pres, inv_t, start, V, BLOCK)
+        if PEN:
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK, words)
+            # The next block's presence words, in flight while this block is worked on: its counts' loads then
+            # wait for no other load.
+            words = _presence(counts, stride_c, slot, start + BLOCK, V, BLOCK)
+        else:
+            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
         raw = x
         if wrow >= 0:
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,

@@ -384,9 +384,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                                                  vocab, chunks, num_pieces, nt],
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, TB=tb,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
-               LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()), COUNT=bool((flags & FLAG_TOPK).any()),
-               PEN=bool((slots >= 0).any()),
-               num_warps=warps)
+               LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()),
+               COUNT=bool((flags & FLAG_TOPK).any()), PEN=bool((slots >= 0).any()), num_warps=warps)
     if tops_on:
         ops.launch(tk._tops_kernel, (n, kp), [logits, stride_l, dev_params, tpieces, cands, ccnt, stats, out, vocab,
                                               nt], BLOCK=block, TB=tb, KP=kp,

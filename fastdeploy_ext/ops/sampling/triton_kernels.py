@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 # Per-row parameters, one int32 row each (floats stored as their bit patterns), followed by one int32 ticket per
-# row (zero between passes), then NUM_LISTS work lists of R + 1 ints (a count, then row ids; zeroed by the upload). Globals a kernel reads must be constexpr; the launcher takes their int values.
+# row (zero between passes), then NUM_LISTS work lists of R + 1 ints (a count, then row ids; zeroed by the upload).
+# Globals a kernel reads must be constexpr; the launcher takes their int values.
 (F_ROW, F_WORK, F_MASK, F_FLAGS, F_TOP_K, F_INV_T, F_TOP_P, F_MIN_P, F_SEED_LO, F_SEED_HI, F_POS, F_NLP, F_SLOT,
  F_REP, F_FREQ, F_PRES) = (tl.constexpr(i) for i in range(16))
 NUM_FIELDS = tl.constexpr(16)
@@ -265,9 +266,15 @@ def _last_of_row(prm, r, R, C):
 
 
 @triton.jit
+def _list(prm, R, k):
+    """Work list ``k``, after the parameters and tickets in ``prm``'s buffer: a count, then row ids."""
+    return prm + R * (NUM_FIELDS + 1) + k * (R + 1)
+
+
+@triton.jit
 def _append(prm, R, k, r):
-    """Row ``r`` onto work list ``k`` (after the parameters and tickets in ``prm``'s buffer: a count, then row ids)."""
-    lst = prm + R * (NUM_FIELDS + 1) + k * (R + 1)
+    """Row ``r`` onto work list ``k``."""
+    lst = _list(prm, R, k)
     tl.store(lst + 1 + tl.atomic_add(lst, 1), r)
 
 
@@ -277,13 +284,13 @@ def _num_items(prm, R, k, C):
     one-dimensional grid of such a pass takes item ``i``, or items ``i``, ``i + P``, ``i + 2P``, ... of a grid of
     ``P`` programs, about as many as the GPU holds at once: a few listed rows leave most of them only the count to
     read, many rows keep all of them busy."""
-    return tl.load(prm + R * (NUM_FIELDS + 1) + k * (R + 1)) * C
+    return tl.load(_list(prm, R, k)) * C
 
 
 @triton.jit
 def _item(prm, R, k, C, i):
     """(row, chunk) of item ``i`` of work list ``k``."""
-    return tl.load(prm + R * (NUM_FIELDS + 1) + k * (R + 1) + 1 + i // C), i % C
+    return tl.load(_list(prm, R, k) + 1 + i // C), i % C
 
 
 @triton.jit
@@ -325,10 +332,10 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
     largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
     it), and per lane its maximum, the first id of it and its second largest value (``lanes``, for
-    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. ``PEN``: whether a row has penalties,
-whose presence words are then loaded a block ahead (the counts' loads wait for them; the words cost registers). Rows that draw here need the
-    row's maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens
-    pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
+    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. ``PEN``:
+    whether a row has penalties, whose presence words are then loaded a block ahead (the counts' loads wait for them;
+    the words cost registers). Rows that draw here need the row's maximum but not its id (the draw picks the token):
+    the pieces' running maxima give it, so their tokens pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
     ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
     r = tl.program_id(0)
     c = tl.program_id(1)
@@ -620,8 +627,8 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                  hmass, pieces, out, V, R, C, NP, k, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                  KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
     """Round ``k`` of the rank test of a top-p / min-p row's candidate ``j`` (the ``C`` chunks of each row of work
-    list ``k``): per
-    piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and of all of them.
+    list ``k``): per piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and
+    of all of them.
     The row's last program keeps ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and
     finishes the row; else it draws the next candidate from the tokens above ``j`` (the two-level draw over those
     masses) and lists the row for the next round, or after the last round sets up the threshold search and
@@ -706,11 +713,11 @@ def _gather_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, 
     exceeds its lane maximum's by less than that: the exponential's rounding) is compared with the bound. Of a lane
     whose second largest value falls short the same way, only the first token of its maximum can be such a token,
     and only that one is read; the other chosen lanes are listed in ``picks`` and all their tokens (ITERS per
-    lane) are read. The row's last program
-    ranks the slots: top-k keeps every token at or above the k-th key, top-p the shortest prefix (ties to the lower
-    id) whose fixed-point mass reaches ``ceil(top_p * M)`` of the kept mass ``M``, min-p ``e >= min_p``; the
-    Gumbel-max over what is kept (``_draw_kernel``'s noise) is the token, and the row is finished. More tokens than
-    ROOM (many equal values) leave the row to the histogram search, which the row's state is already set up for."""
+    lane) are read. The row's last program ranks the slots: top-k keeps every token at or above the k-th key, top-p
+    the shortest prefix (ties to the lower id) whose fixed-point mass reaches ``ceil(top_p * M)`` of the kept mass
+    ``M``, min-p ``e >= min_p``; the Gumbel-max over what is kept (``_draw_kernel``'s noise) is the token, and the row
+    is finished. More tokens than ROOM (many equal values) leave the row to the histogram search, which the row's
+    state is already set up for."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     st = state + r * NUM_STATE

@@ -34,7 +34,7 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
-                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, ROOM=512, NPP=32, CHUNK=32768)
+                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, ROOM=512, NPP=32, CHUNK=32768)
 LISTED = ("_rank_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")  # on chunks of 8,192
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
@@ -42,13 +42,14 @@ VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "logprobs": dict(LSE=True, TOPS=True),
     "top-k": dict(DRAW=False, KSEL=True, COUNT=True),
     "penalties": dict(PEN=True),
+    "mask": dict(MSK=True),
 }
 KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel",
            "_tops_kernel")
 COUNTED = ("LDG", "LDGSTS", "STG", "ATOMG", "MUFU", "BAR", "SHFL", "STL", "LDL")
 
 
-def compile_sm90(fn, constants, warps=4):
+def compile_sm90(fn, constants, warps=4, maxnreg=None):
     """(cubin bytes, SASS text) of ``fn`` for sm_90 with ``constants``; other arguments int32 or POINTERS."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -60,7 +61,7 @@ def compile_sm90(fn, constants, warps=4):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n in DIVISIBLE}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     return kernel.asm["cubin"], _tool("nvdisasm", "-c", "-g", data=kernel.asm["cubin"])
 
 
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
                     help="the stats kernel's specialisations to compile (default: all)")
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int, help="cap the registers per thread (Triton's maxnreg option)")
     ap.add_argument("--sass-out", help="also write each kernel's SASS into this folder")
     ap.add_argument("--loops", type=int, default=0, metavar="N", help="also print each kernel's N largest loops")
     args = ap.parse_args(argv)
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     for label, name, extra in jobs:
         constants = {**CONSTANTS, **extra}
         constants.update(BLOCK=args.block, ITERS=constants["CHUNK"] // args.block)
-        cubin, sass = compile_sm90(getattr(tk, name), constants, args.warps)
+        cubin, sass = compile_sm90(getattr(tk, name), constants, args.warps, args.maxnreg)
         regs, ops = resources(cubin, sass)
         if args.sass_out:
             os.makedirs(args.sass_out, exist_ok=True)

@@ -278,7 +278,7 @@ def test_fallback_after_rejections_on_shorter_chunks(monkeypatch):
 
 
 def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
-    """Top-k rows (k <= block) rank the tokens at or above their bound in one gather pass: with no histogram round
+    """Top-k rows (k <= block / KLANES) rank the tokens at or above their bound in one gather pass: with no histogram round
     launched their tokens still equal the reference's. With less room than k every row falls back to the search,
     again the reference's tokens, and without the histogram rounds then some differ (the fallback ran)."""
     from fastdeploy_ext.ops.sampling import launcher
@@ -291,7 +291,7 @@ def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
     specs = [SampleRow(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp), seed=300 + r, position=r)
              for r, (t, k, p, mp) in enumerate(settings * (rows // 3))]
     want = [reference_sample(x[r].astype(np.float64), *settings[r % 3], 300 + r, r) for r in range(rows)]
-    kw = dict(block=16, chunk=64)
+    kw = dict(block=64, chunk=256)  # k <= 64 / KLANES: every row gathers
     with monkeypatch.context() as m:
         m.setattr(launcher, "ROUNDS_PER_SEARCH", 0)
         assert run(x, specs, **kw).token_ids.tolist() == want

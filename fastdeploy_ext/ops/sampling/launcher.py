@@ -371,9 +371,10 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     pieces = ops.empty([2 * n * max(num_pieces, late_pieces)], "float32", logits)
     ngp = max(4, 1 << (-(-vocab // GROUP) - 1).bit_length())
     out = ops.empty([n, 3 + 2 * kp], "int32", logits)
-    # Top-k rows with k <= block gather the tokens at or above a bound from the stats pass and rank them there.
+    # Top-k rows with k <= block / KLANES gather the tokens at or above a bound from the stats pass and rank them
+    # there.
     flags = params[:, F_FLAGS]
-    gathered = ((flags & FLAG_TOPK) != 0) & (params[:, F_TOP_K] <= block)
+    gathered = ((flags & FLAG_TOPK) != 0) & (params[:, F_TOP_K] <= block // tk.KLANES.value)
     room = min(TOPK_ROOM, max(256, 1 << (chunks * int(params[gathered, F_TOP_K].max(initial=1)) - 1).bit_length()))
     gbuf = ops.empty([n * room if gathered.any() else 1], "int64", logits)
     lanes = ops.empty([3 * n * chunks * block if gathered.any() else 1], "float32", logits)
@@ -385,7 +386,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, TB=tb,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
                LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()),
-               COUNT=bool((flags & FLAG_TOPK).any()), PEN=bool((slots >= 0).any()), num_warps=warps)
+               COUNT=bool((flags & FLAG_TOPK).any()), PEN=bool((slots >= 0).any()),
+               MSK=bool((params[:, F_MASK] >= 0).any()), num_warps=warps)
     if tops_on:
         ops.launch(tk._tops_kernel, (n, kp), [logits, stride_l, dev_params, tpieces, cands, ccnt, stats, out, vocab,
                                               nt], BLOCK=block, TB=tb, KP=kp,

@@ -82,6 +82,7 @@ SHIFT2 = tl.constexpr(8)
 LIST_LATE = tl.constexpr(3)
 NUM_LISTS = tl.constexpr(4)
 GROUP = tl.constexpr(8192)  # tokens per group of the two-level draw (reference.GROUP)
+KLANES = tl.constexpr(4)  # lanes per group whose maxima give a top-k row's bound in the stats pass
 MASS_SCALE = tl.constexpr(1099511627776.0)  # 2^40: e in fixed point; V * 2^40 < 2^63 for V < 2^23
 
 
@@ -156,16 +157,28 @@ def _presence(counts, stride_c, slot, start, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mask_words(bitmask, stride_m, mrow, start, V, BLOCK: tl.constexpr):
+    """The grammar mask's words of tokens ``start .. start + BLOCK`` as ``_block_values`` reads them (one per run
+    of 4 tokens; zeros for a row without a mask, which ``_block_values`` then does not read)."""
+    q = start // 4 + tl.arange(0, BLOCK // 4)
+    words = tl.zeros([BLOCK // 4], tl.int32)
+    if mrow >= 0:
+        words = tl.load(bitmask + mrow.to(tl.int64) * stride_m + (q >> 3), mask=q * 4 < V, other=0)
+    return words
+
+
+@triton.jit
 def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
-                  freq, pres, inv_t, start, V, BLOCK: tl.constexpr, words=None):
+                  freq, pres, inv_t, start, V, BLOCK: tl.constexpr, words=None, x=None, mwords=None):
     """``_values`` of the tokens ``start .. start + BLOCK`` (start a multiple of 4). A thread holds runs of 4
     tokens, which share a word of the presence bits and of the mask: the words are read once per run and the
     counts of a run with a bit set as one 16-byte load, where per-token loads of words and masked counts cost 16
     load instructions per thread and block (8 per token run of the logits' two). ``words``: the block's presence
-    words (``_presence``) when the caller loaded them ahead; else they are loaded here, and the counts' load waits
-    for them."""
+    words (``_presence``), ``x`` its base logits (``_base``) and ``mwords`` its mask words (``_mask_words``) when
+    the caller loaded them ahead; else they are loaded here, and the counts' load waits for the words."""
     offs = start + tl.arange(0, BLOCK)
-    x = _base(logits, stride_l, work, stride_w, row, wrow, offs, V)
+    if x is None:
+        x = _base(logits, stride_l, work, stride_w, row, wrow, offs, V)
     v = x
     q = start // 4 + tl.arange(0, BLOCK // 4)
     if slot >= 0:
@@ -178,7 +191,10 @@ def _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         four = tl.load(crow + q[:, None] * 4 + tl.arange(0, 4)[None, :], mask=(nib != 0)[:, None], other=0)
         v = _penalized(v, tl.reshape(four, [BLOCK]), rep, freq, pres)
     if mrow >= 0:
-        nib = _nibbles(tl.load(bitmask + mrow.to(tl.int64) * stride_m + (q >> 3), mask=q * 4 < V, other=0), q)
+        if mwords is None:
+            nib = _nibbles(_mask_words(bitmask, stride_m, mrow, start, V, BLOCK), q)
+        else:
+            nib = _nibbles(mwords, q)
         v = tl.where(_token_bits(nib, offs, BLOCK), v, float("-inf"))
     return x, v * inv_t
 
@@ -323,7 +339,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                   lanes, stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
-                  COUNT: tl.constexpr, PEN: tl.constexpr):
+                  COUNT: tl.constexpr, PEN: tl.constexpr, MSK: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
@@ -361,20 +377,29 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     if TOPS:
         lpr = tl.full([BLOCK], float("-inf"), tl.float32)
     nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+    end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
+    # Each block's logits (and presence words) are loaded while the block before it is worked on: a program keeps
+    # two blocks in flight, not one, which the loop's latency needs on an H200 (``ops/sampling/README.md``).
+    ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
+    words = None
     if PEN:
         words = _presence(counts, stride_c, slot, c * ITERS * BLOCK, V, BLOCK)
+    mwords = None
+    if MSK:
+        mwords = _mask_words(bitmask, stride_m, mrow, c * ITERS * BLOCK, V, BLOCK)
     for i in range(nblk):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
+        xb = ahead
+        ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
+        wb = words
         if PEN:
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK, words)
-            # The next block's presence words, in flight while this block is worked on: its counts' loads then
-            # wait for no other load.
             words = _presence(counts, stride_c, slot, start + BLOCK, V, BLOCK)
-        else:
-            x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+        mb = mwords
+        if MSK:
+            mwords = _mask_words(bitmask, stride_m, mrow, start + BLOCK, V, BLOCK)
+        x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
+                             slot, rep, freq, pres, inv_t, start, V, BLOCK, wb, xb, mb)
         raw = x
         if wrow >= 0:
             raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
@@ -424,19 +449,21 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     if KSEL:
         top_k = tl.load(p + F_TOP_K)
         kth = tl.full([], float("-inf"), tl.float32)
-        if ((tl.load(p + F_FLAGS) & FLAG_TOPK) != 0) & (top_k <= BLOCK):
+        if ((tl.load(p + F_FLAGS) & FLAG_TOPK) != 0) & (top_k <= BLOCK // KLANES):
             at = lanes + (r * C + c).to(tl.int64) * (3 * BLOCK) + tl.arange(0, BLOCK)
             tl.store(at, lmax)
             tl.store(at + BLOCK, lsec)
             tl.store(at + 2 * BLOCK, larg.to(tl.float32, bitcast=True))
-            ranked = tl.sort(lmax, 0, descending=True)
-            kth = tl.max(tl.where(tl.arange(0, BLOCK) == top_k - 1, ranked, float("-inf")), 0)
+            # The k-th largest maximum of groups of KLANES lanes (a thread's run): k tokens of the chunk lie at or
+            # above it too, and sorting BLOCK / KLANES values costs a fraction of sorting BLOCK.
+            ranked = tl.sort(tl.max(tl.reshape(lmax, [BLOCK // KLANES, KLANES]), 1), 0, descending=True)
+            kth = tl.max(tl.where(tl.arange(0, BLOCK // KLANES) == top_k - 1, ranked, float("-inf")), 0)
         tl.store(base + P_KTH * plane, kth)
     if _last_of_row(prm, r, R, C):
         if TOPS:
             tl.store(ccnt + r, 0)
         token, err, rm, lrel, m, late = _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP, NB, KSEL,
-                                                     BLOCK)
+                                                     BLOCK // KLANES)
         flags = tl.load(p + F_FLAGS)
         kept = False
         if fused & (err == 0):
@@ -649,11 +676,15 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         fa = tl.zeros([BLOCK], tl.float32)
         ft = tl.zeros([BLOCK], tl.float32)
         nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
+        end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
+        ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
         for b in range(nblk):
             start = (c * ITERS + b) * BLOCK
             offs = start + tl.arange(0, BLOCK)
+            xb = ahead
+            ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
             x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK)
+                                 mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK, None, xb)
             e = _e(s, m)
             key = e.to(tl.int32, bitcast=True)
             ok = (s > float("-inf")) & (offs < V)

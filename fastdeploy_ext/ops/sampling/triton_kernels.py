@@ -345,14 +345,15 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
     statistics are kept per lane (one per element of a block) and reduced once at the end of the chunk, the draw's per
     piece. ``DRAW`` / ``LSE``: whether any row of the batch draws here / wants logprobs (a batch without leaves their
-    registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK, whose chunks then store the k-th
-    largest of their lanes' maxima, a bound at or below the chunk's k-th largest value (k of its tokens lie at or above
-    it), and per lane its maximum, the first id of it and its second largest value (``lanes``, for
-    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. ``PEN``:
-    whether a row has penalties, whose presence words are then loaded a block ahead (the counts' loads wait for them;
-    the words cost registers). Rows that draw here need the row's maximum but not its id (the draw picks the token):
-    the pieces' running maxima give it, so their tokens pay for one running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each
-    ``TB`` blocks (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
+    registers to the others). ``KSEL``: whether a row has a top-k of at most BLOCK / KLANES, whose chunks then store
+    the k-th largest of their lane groups' maxima, a bound at or below the chunk's k-th largest value (k of its tokens
+    lie at or above it), and per lane its maximum, the first id of it and its second largest value (``lanes``, for
+    ``_gather_kernel``). ``COUNT``: whether a row has a top-k, the one use of the allowed tokens' count. ``PEN`` /
+    ``MSK``: whether a row has penalties / a grammar mask, whose presence / mask words are then loaded a block ahead
+    with the logits (the counts' loads wait for them; the words cost registers). Rows that draw here need the row's
+    maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens pay for one
+    running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each ``TB`` blocks
+    (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)

@@ -335,8 +335,10 @@ def bench_device(args):
                     entry["torch_us"] = triton.testing.do_bench(
                         lambda: plain_torch(logits, p.temperature, p.top_p, p.top_k)) * 1e3
                 dev = entry["device_us_cauto"]
-                print(f"  {setting}: device {dev:.1f} us ({dev / entry['floor_us']:.2f}x floor), host batch build "
-                      f"{entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
+                # Wall time: where the host issues the launches more slowly than the GPU runs them, this is the
+                # host's; --profile gives the GPU's time per step.
+                print(f"  {setting}: device step {dev:.1f} us wall ({dev / entry['floor_us']:.2f}x floor), host batch "
+                      f"build {entry['build_us']:.0f} us, torch {entry.get('torch_us', float('nan')):.1f} us; "
                       + ", ".join(f"{k} {v:.1f}" for k, v in entry.items() if k.startswith("device_us_")), flush=True)
                 results.append(entry)
     if args.out:

@@ -399,9 +399,9 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
         for k in range(CANDIDATES):
             ops.launch(tk._rank_kernel, (n * late_chunks,),
-                       values + [stats, state, hcnt, hmass, pieces, out, vocab, n, late_chunks, late_pieces, k],
-                       NB=NUM_BUCKETS, BLOCK=block, ITERS=late_chunk // block, KP=kp, PIECE=late_piece,
-                       NGP=ngp, NPP=max(2, 1 << (late_pieces - 1).bit_length()), num_warps=warps)
+                       values + [part, stats, state, hcnt, hmass, pieces, out, vocab, n, late_chunks, late_pieces, k],
+                       CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=late_chunk // block, KP=kp, PIECE=late_piece,
+                       NPP=max(2, 1 << (late_pieces - 1).bit_length()), NEXT=k < CANDIDATES - 1, num_warps=warps)
     # The rows listed for the search and the draw: top-k rows the gather did not settle, rows after their candidates.
     grid, iters = (min(n * late_chunks, LATE_PROGRAMS * (sms or 1)),), late_chunk // block
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold

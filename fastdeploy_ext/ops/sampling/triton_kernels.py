@@ -13,8 +13,8 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 - ``_tops_kernel`` (row, j < KP): a row's top-logprob candidates from the KP pieces with the largest raw maxima;
   the row's last program ranks them into the row's results.
 - ``_rank_kernel`` (row, chunk), up to ``CANDIDATES`` rounds: the mass ranked above a top-p / min-p row's
-  candidate; the row's last program keeps the candidate and finishes the row, or draws the next candidate above
-  it, or after the last round hands the row to the threshold search below.
+  candidate and the best Gumbel score above it (the next candidate); the row's last program keeps the candidate and
+  finishes the row, or takes the next one, or after the last round hands the row to the threshold search below.
 - ``_hist_kernel`` (row, chunk), at most three rounds per filter (top-k, and top-p after top-k or after the
   candidates): a count and a fixed-point mass histogram over the
   float32 bit patterns of ``e = exp(s - max)`` in the current key range; the row's last program finds the bucket
@@ -471,7 +471,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             st = state + r * NUM_STATE
             g = _pick_group(pieces, pieces + R * NP, r, NP, V, m, k0, k1, pos, 0, PIECE, NGP)
             cand = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, m, 0, -1, BLOCK)
+                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, m, BLOCK)
             tl.store(st + ST_CAND, cand.to(tl.int64))
             if (flags & (FLAG_TOPP | FLAG_MINP)) != 0:
                 _, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
@@ -586,7 +586,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
 def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexpr, NGP: tl.constexpr):
     """The two-level draw's group: the Gumbel-max (group noise of ``stream``) of the groups' log-masses relative to
     the row's maximum ``m``, each combined from its pieces' (maximum, sum of exp(s - maximum)) in ``pmax`` / ``psum``
-    (row ``r``, ``NP`` pieces of PIECE tokens; ``psum`` alone with ``pmax`` None: plain masses of ``exp(s - m)``).
+    (row ``r``, ``NP`` pieces of PIECE tokens).
     Every draw adds its noise to values relative to ``m``, near 0 for the likely ones, where float32 keeps the noise
     at any magnitude of the logits (at -3e38 it would add nothing)."""
     GP: tl.constexpr = GROUP // PIECE
@@ -595,13 +595,10 @@ def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexp
     idx = g[:, None] * GP + k[None, :]
     ok = idx < NP
     ps = tl.load(psum + r * NP + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    if pmax is None:
-        lse = tl.log(tl.sum(ps, 1))
-    else:
-        pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(pm, 1)
-        mass = tl.sum(tl.where(pm > float("-inf"), ps * _exp(pm - top[:, None]), 0.0), 1)
-        lse = tl.where(top > float("-inf"), (top - m) + tl.log(mass), float("-inf"))
+    pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(pm, 1)
+    mass = tl.sum(tl.where(pm > float("-inf"), ps * _exp(pm - top[:, None]), 0.0), 1)
+    lse = tl.where(top > float("-inf"), (top - m) + tl.log(mass), float("-inf"))
     score = tl.where(g < tl.cdiv(V, GROUP), lse + _gumbel(k0, k1, pos, 0, stream, NGP, 1), float("-inf"))
     best = tl.max(score, 0)
     return tl.min(tl.where(score == best, g, NGP), 0)
@@ -609,9 +606,8 @@ def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexp
 
 @triton.jit
 def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
-                 freq, pres, inv_t, g, V, k0, k1, pos, stream, m, bkey, bound, BLOCK: tl.constexpr):
-    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens; with ``bound`` >= 0
-    only those ranked above token ``bound`` (``key(exp(s - m))`` above ``bkey``, or equal and a lower id)."""
+                 freq, pres, inv_t, g, V, k0, k1, pos, stream, m, BLOCK: tl.constexpr):
+    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens."""
     best = float("-inf")
     bid = BIG
     for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
@@ -620,9 +616,6 @@ def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                              slot, rep, freq, pres, inv_t, start, V, BLOCK)
         keep = (s > float("-inf")) & (offs < V)
-        if bound >= 0:
-            key = _e(s, m).to(tl.int32, bitcast=True)
-            keep = keep & ((key > bkey) | ((key == bkey) & (offs < bound)))
         score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
         bm = tl.max(score, 0)
         bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
@@ -651,16 +644,19 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 
 
 @triton.jit
-def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
-                 hmass, pieces, out, V, R, C, NP, k, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                 KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
+def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state,
+                 hcnt, hmass, pieces, out, V, R, C, NP, k, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NPP: tl.constexpr,
+                 NEXT: tl.constexpr):
     """Round ``k`` of the rank test of a top-p / min-p row's candidate ``j`` (the ``C`` chunks of each row of work
     list ``k``): per piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and
     of all of them.
+    ``NEXT`` (every round but the last): each chunk also keeps the best ``(s - m) + G`` of its tokens ranked above
+    ``j`` (Gumbel noise of the row's next stream, ``k + 1``), the next candidate should ``j`` be rejected, so that the row's last
+    program only picks the best chunk instead of drawing over a group of tokens alone, a tail nothing overlaps.
     The row's last program keeps ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and
-    finishes the row; else it draws the next candidate from the tokens above ``j`` (the two-level draw over those
-    masses) and lists the row for the next round, or after the last round sets up the threshold search and
-    ``_draw_kernel`` and lists the row for them."""
+    finishes the row; else it takes the next candidate and lists the row for the next round, or after the last round
+    sets up the threshold search and ``_draw_kernel`` and lists the row for them."""
     # One item per program (a loop over items would cost 33 registers: 4 programs per SM instead of 5, which the
     # first round, where every row may be listed, needs); the listed items are the grid's first programs.
     i = tl.program_id(0)
@@ -676,6 +672,14 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
         fa = tl.zeros([BLOCK], tl.float32)
         ft = tl.zeros([BLOCK], tl.float32)
+        p = prm + r * NUM_FIELDS
+        if NEXT:
+            k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+            k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+            pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+            nstream = (tl.load(st + ST_RND) + 1).to(tl.uint32)  # k + 1: the row's draws so far
+            lbest = tl.full([BLOCK], float("-inf"), tl.float32)
+            lbid = tl.full([BLOCK], BIG, tl.int32)
         nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
         end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
         ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
@@ -692,17 +696,29 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
             fa += tl.where(up, e, 0.0)
             ft += tl.where(ok, e, 0.0)
+            if NEXT:
+                # Per lane the best score and its first id (the blocks go up in id), reduced once at the end.
+                score = tl.where(up, (s - m) + _gumbel(k0, k1, pos, start, nstream, BLOCK),
+                                 float("-inf"))
+                better = score > lbest
+                lbid = tl.where(better, offs, lbid)
+                lbest = tl.where(better, score, lbest)
             if (((b + 1) % (PIECE // BLOCK)) == 0) | (b == nblk - 1):
                 tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
                 tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
                 fa = tl.zeros([BLOCK], tl.float32)
                 ft = tl.zeros([BLOCK], tl.float32)
+        plane = R * C
+        if NEXT:
+            best = tl.max(lbest, 0)
+            tl.store(part + P_BEST * plane + r * C + c, best)
+            tl.store(part + P_BID * plane + r * C + c,
+                     tl.min(tl.where(lbest == best, lbid, BIG), 0).to(tl.float32, bitcast=True))
         if _last_of_row(prm, r, R, C):
             # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
             js = tl.arange(0, NPP)
             a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
             t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
-            p = prm + r * NUM_FIELDS
             flags = tl.load(p + F_FLAGS)
             top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
             keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
@@ -714,7 +730,18 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, out, r, cand, 0,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
-            elif k == LIST_LATE - 1:
+            elif NEXT:
+                # The next candidate: the best chunk's token (the lowest id among equal scores).
+                cs = tl.arange(0, CP)
+                cm = cs < C
+                pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
+                pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
+                             cache_modifier=".cg").to(tl.int32, bitcast=True)
+                nxt = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+                tl.store(st + ST_CAND, nxt.to(tl.int64))
+                tl.store(st + ST_RND, stream)
+                _append(prm, R, k + 1, r)
+            else:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 tl.store(st + ST_RND, stream)
                 tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
@@ -722,17 +749,6 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                     _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
                                   NB)
                 _append(prm, R, LIST_LATE, r)
-            else:
-                k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
-                k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
-                pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-                g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
-                nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row,
-                                   wrow, mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos,
-                                   stream.to(tl.uint32), m, kc, cand, BLOCK)
-                tl.store(st + ST_CAND, nxt.to(tl.int64))
-                tl.store(st + ST_RND, stream)
-                _append(prm, R, k + 1, r)
 
 
 @triton.jit

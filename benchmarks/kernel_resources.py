@@ -34,7 +34,8 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
-                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, NEXT=True, ROOM=512, NPP=32, CHUNK=32768)
+                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, NEXT=True, ROOM=512,
+                 NPP=32, CHUNK=32768)
 LISTED = ("_rank_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")  # on chunks of 8,192
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
@@ -61,7 +62,8 @@ def compile_sm90(fn, constants, warps=4, maxnreg=None):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n in DIVISIBLE}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return kernel.asm["cubin"], _tool("nvdisasm", "-c", "-g", data=kernel.asm["cubin"])
 
 

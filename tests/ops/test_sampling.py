@@ -278,9 +278,10 @@ def test_fallback_after_rejections_on_shorter_chunks(monkeypatch):
 
 
 def test_top_k_rows_gather_or_fall_back_to_the_search(monkeypatch):
-    """Top-k rows (k <= block / KLANES) rank the tokens at or above their bound in one gather pass: with no histogram round
-    launched their tokens still equal the reference's. With less room than k every row falls back to the search,
-    again the reference's tokens, and without the histogram rounds then some differ (the fallback ran)."""
+    """Top-k rows (k <= block / KLANES) rank the tokens at or above their bound in one gather pass: with no
+    histogram round launched their tokens still equal the reference's. With less room than k every row falls back
+    to the search, again the reference's tokens, and without the histogram rounds then some differ (the fallback
+    ran)."""
     from fastdeploy_ext.ops.sampling import launcher
 
     rng = np.random.default_rng(57)

@@ -644,6 +644,24 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 
 
 @triton.jit
+def _store_best(part, r, c, R, C, best, bid):
+    """Chunk ``c``'s best Gumbel score and its token into row ``r``'s partials (``_best_chunk`` reads them)."""
+    tl.store(part + P_BEST * R * C + r * C + c, best)
+    tl.store(part + P_BID * R * C + r * C + c, bid.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _best_chunk(part, r, R, C, CP: tl.constexpr):
+    """The token of row ``r``'s best chunk score (the lowest id among equal scores): a Gumbel-max drawn by chunks."""
+    cs = tl.arange(0, CP)
+    cm = cs < C
+    pb = tl.load(part + P_BEST * R * C + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
+    pi = tl.load(part + P_BID * R * C + r * C + cs, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32,
+                                                                                                 bitcast=True)
+    return tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+
+
+@triton.jit
 def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state,
                  hcnt, hmass, pieces, out, V, R, C, NP, k, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                  ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NPP: tl.constexpr,
@@ -652,8 +670,9 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
     list ``k``): per piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and
     of all of them.
     ``NEXT`` (every round but the last): each chunk also keeps the best ``(s - m) + G`` of its tokens ranked above
-    ``j`` (Gumbel noise of the row's next stream, ``k + 1``), the next candidate should ``j`` be rejected, so that the row's last
-    program only picks the best chunk instead of drawing over a group of tokens alone, a tail nothing overlaps.
+    ``j`` (Gumbel noise of the row's next stream, ``k + 1``), the next candidate should ``j`` be rejected, so that
+    the row's last program only picks the best chunk instead of drawing over a group of tokens alone, a tail nothing
+    overlaps.
     The row's last program keeps ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and
     finishes the row; else it takes the next candidate and lists the row for the next round, or after the last round
     sets up the threshold search and ``_draw_kernel`` and lists the row for them."""
@@ -708,12 +727,9 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
                 fa = tl.zeros([BLOCK], tl.float32)
                 ft = tl.zeros([BLOCK], tl.float32)
-        plane = R * C
         if NEXT:
             best = tl.max(lbest, 0)
-            tl.store(part + P_BEST * plane + r * C + c, best)
-            tl.store(part + P_BID * plane + r * C + c,
-                     tl.min(tl.where(lbest == best, lbid, BIG), 0).to(tl.float32, bitcast=True))
+            _store_best(part, r, c, R, C, best, tl.min(tl.where(lbest == best, lbid, BIG), 0))
         if _last_of_row(prm, r, R, C):
             # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
             js = tl.arange(0, NPP)
@@ -731,14 +747,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 _finish_row(logits, stride_l, counts, stride_c, prm, out, r, cand, 0,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
             elif NEXT:
-                # The next candidate: the best chunk's token (the lowest id among equal scores).
-                cs = tl.arange(0, CP)
-                cm = cs < C
-                pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
-                pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
-                             cache_modifier=".cg").to(tl.int32, bitcast=True)
-                nxt = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
-                tl.store(st + ST_CAND, nxt.to(tl.int64))
+                tl.store(st + ST_CAND, _best_chunk(part, r, R, C, CP).to(tl.int64))
                 tl.store(st + ST_RND, stream)
                 _append(prm, R, k + 1, r)
             else:
@@ -1021,17 +1030,9 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                     bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
                     bid = tl.where(bm > best, bidx, bid)
                     best = tl.maximum(best, bm)
-            plane = R * C
-            tl.store(part + P_BEST * plane + r * C + c, best)
-            tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
+            _store_best(part, r, c, R, C, best, bid)
             if _last_of_row(prm, r, R, C):
-                cs = tl.arange(0, CP)
-                cm = cs < C
-                pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
-                pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
-                             cache_modifier=".cg").to(tl.int32, bitcast=True)
-                token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
-                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err,
+                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, _best_chunk(part, r, R, C, CP), err,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
 
 

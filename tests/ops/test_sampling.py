@@ -519,6 +519,27 @@ def test_logprobs_are_the_raw_log_softmax(block, chunk, room, monkeypatch):
     assert list(out.logprob_dicts()[0])[:2] == [17, 18]
 
 
+def test_logprobs_of_rows_drawn_from_their_raw_logits_span_pieces():
+    """A row at temperature 1 with no penalties, mask or bias takes its logprobs' log-sum-exp from the draw's pieces
+    (8,192 tokens each, two to a chunk of 16,384 here), merged per lane where a piece ends: the second piece of each
+    chunk is lower than the first and the third higher, so a merge that leaves a piece's sum unscaled to the lane's
+    maximum, or drops a piece, fails. The row at temperature 0.7 computes its own log-sum-exp beside it."""
+    rng = np.random.default_rng(23)
+    vocab = 20_001
+    x = rng.standard_normal((3, vocab)).astype(np.float32) * 2
+    x[:, 8192:16384] -= 6.0
+    x[:, 16384:] += 3.0
+    specs = [SampleRow(SamplingParams(temperature=1.0, logprobs=5), seed=4),
+             SampleRow(SamplingParams(temperature=1.0, top_p=0.95, logprobs=3), seed=5, position=2),
+             SampleRow(SamplingParams(temperature=0.7, logprobs=2), seed=6)]
+    out = run(x, specs, block=1024, chunk=16384)
+    assert (out.error_codes == 0).all()
+    for r, (spec, got) in enumerate(zip(specs, out.logprob_dicts())):
+        want = top_logprobs(log_softmax(x[r].astype(np.float64)[None])[0], spec.params.logprobs,
+                            int(out.token_ids[r]))
+        assert list(got) == list(want) and max(abs(got[t] - want[t]) for t in want) < 1e-4
+
+
 def test_failed_rows_report_errors_and_the_others_sample():
     x = np.zeros((3, 64), np.float32)
     x[1, 5] = np.nan

@@ -361,6 +361,9 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     nlp = tl.load(p + F_NLP)
     # Rows without top-k draw here: the token itself, or a top-p / min-p row's first candidate.
     fused = DRAW & ((tl.load(p + F_FLAGS) & (FLAG_GREEDY | FLAG_TOPK)) == 0)
+    # A drawing row whose values are its raw logits (temperature 1, no penalties, mask or bias) takes its
+    # logprobs' log-sum-exp from the draw's pieces: one log-softmax for both, not an exponential per token each.
+    shared = fused & (nlp >= 0) & (inv_t == 1.0) & (wrow < 0) & (mrow < 0) & (slot < 0)
     k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
     k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
     pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
@@ -409,7 +412,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         if COUNT:
             lcnt += (s > float("-inf")).to(tl.int32)
         if LSE:
-            if nlp >= 0:
+            if (nlp >= 0) & (not shared):
                 _, lrmax, lrsum = _online_lse(raw, lrmax, lrsum)
         if TOPS:
             if nlp > 0:
@@ -427,6 +430,11 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                 piece = start // PIECE
                 tl.store(pieces + r * NP + piece, tl.where(gs > 0.0, gm, float("-inf")))
                 tl.store(pieces + (R + r) * NP + piece, gs)
+                if LSE:
+                    if shared:
+                        top = tl.maximum(lrmax, pm)
+                        lrsum = lrsum * _exp(lrmax - top) + ps * _exp(pm - top)
+                        lrmax = top
                 pm = tl.full([BLOCK], LOWEST, tl.float32)
                 ps = tl.zeros([BLOCK], tl.float32)
         else:
@@ -607,9 +615,11 @@ def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexp
 @triton.jit
 def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
                  freq, pres, inv_t, g, V, k0, k1, pos, stream, m, BLOCK: tl.constexpr):
-    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens."""
-    best = float("-inf")
-    bid = BIG
+    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens. The best score is
+    kept per lane and reduced once: the tail of the row's last program is serial, and two block reductions per block
+    were most of it."""
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    bid = tl.full([BLOCK], BIG, tl.int32)
     for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
         start = g * GROUP + b * BLOCK
         offs = start + tl.arange(0, BLOCK)
@@ -617,11 +627,11 @@ def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                              slot, rep, freq, pres, inv_t, start, V, BLOCK)
         keep = (s > float("-inf")) & (offs < V)
         score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
-        bm = tl.max(score, 0)
-        bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
-        bid = tl.where(bm > best, bidx, bid)
-        best = tl.maximum(best, bm)
-    return bid
+        up = score > best  # strictly: a lane keeps its first (lowest) id among equal scores
+        bid = tl.where(up, offs, bid)
+        best = tl.where(up, score, best)
+    top = tl.max(best, 0)
+    return tl.min(tl.where(best == top, bid, BIG), 0)
 
 
 @triton.jit

@@ -339,7 +339,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                   lanes, stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
-                  COUNT: tl.constexpr, PEN: tl.constexpr, MSK: tl.constexpr):
+                  COUNT: tl.constexpr, PEN: tl.constexpr, MSK: tl.constexpr, STAGES: tl.constexpr = 3):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
@@ -384,18 +384,21 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
     # Each block's logits (and presence words) are loaded while the block before it is worked on: a program keeps
     # two blocks in flight, not one, which the loop's latency needs on an H200 (``ops/sampling/README.md``).
-    ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
     words = None
     if PEN:
         words = _presence(counts, stride_c, slot, c * ITERS * BLOCK, V, BLOCK)
     mwords = None
     if MSK:
         mwords = _mask_words(bitmask, stride_m, mrow, c * ITERS * BLOCK, V, BLOCK)
-    for i in range(nblk):
+    for i in tl.range(nblk, num_stages=STAGES):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        xb = ahead
-        ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
+        # The raw logits' load is unconditional, so that the compiler pipelines it (asynchronous copies STAGES - 1
+        # blocks ahead, into shared memory); a row's working copy, where it has one, is a load of its own.
+        raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        xb = raw
+        if wrow >= 0:
+            xb = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < end, other=float("-inf"))
         wb = words
         if PEN:
             words = _presence(counts, stride_c, slot, start + BLOCK, V, BLOCK)
@@ -404,10 +407,6 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             mwords = _mask_words(bitmask, stride_m, mrow, start + BLOCK, V, BLOCK)
         x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                              slot, rep, freq, pres, inv_t, start, V, BLOCK, wb, xb, mb)
-        raw = x
-        if wrow >= 0:
-            raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
-                          other=float("-inf")).to(tl.float32)
         lnan = tl.maximum(lnan, raw, propagate_nan=tl.PropagateNan.ALL)  # NaN once a lane sees one
         if COUNT:
             lcnt += (s > float("-inf")).to(tl.int32)

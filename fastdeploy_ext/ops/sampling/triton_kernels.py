@@ -106,6 +106,17 @@ def _base(logits, stride_l, work, stride_w, row, wrow, offs, V):
 
 
 @triton.jit
+def _pipelined(logits, stride_l, work, stride_w, row, wrow, offs, V):
+    """``_base`` with the raw logits' load unconditional, so that a ``tl.range`` loop with stages pipelines it
+    (asynchronous copies ahead into shared memory, where a conditional load is not); a row's working copy, where
+    it has one, is a load of its own."""
+    x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if wrow >= 0:
+        x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
+    return x
+
+
+@triton.jit
 def _penalized(v, c, rep, freq, pres):
     """``v`` with the penalties of count ``c`` (``2 * output count + seen in the prompt``). ``v * (1 / rep)`` is
     ``v / rep`` as the GPU divides (the numerator times the approximate reciprocal) with the reciprocal taken once,
@@ -393,12 +404,11 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     for i in tl.range(nblk, num_stages=STAGES):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        # The raw logits' load is unconditional, so that the compiler pipelines it (asynchronous copies STAGES - 1
-        # blocks ahead, into shared memory); a row's working copy, where it has one, is a load of its own.
-        raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        # The raw logits STAGES - 1 blocks ahead (``_pipelined``); the top logprobs and the NaN check read them.
+        raw = _pipelined(logits, stride_l, work, stride_w, row, -1, offs, end)
         xb = raw
         if wrow >= 0:
-            xb = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < end, other=float("-inf"))
+            xb = _base(logits, stride_l, work, stride_w, row, wrow, offs, end)
         wb = words
         if PEN:
             words = _presence(counts, stride_c, slot, start + BLOCK, V, BLOCK)
@@ -674,7 +684,7 @@ def _best_chunk(part, r, R, C, CP: tl.constexpr):
 def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state,
                  hcnt, hmass, pieces, out, V, R, C, NP, k, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                  ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NPP: tl.constexpr,
-                 NEXT: tl.constexpr):
+                 NEXT: tl.constexpr, STAGES: tl.constexpr = 3):
     """Round ``k`` of the rank test of a top-p / min-p row's candidate ``j`` (the ``C`` chunks of each row of work
     list ``k``): per piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and
     of all of them.
@@ -710,12 +720,10 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             lbid = tl.full([BLOCK], BIG, tl.int32)
         nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
         end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
-        ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
-        for b in range(nblk):
+        for b in tl.range(nblk, num_stages=STAGES):
             start = (c * ITERS + b) * BLOCK
             offs = start + tl.arange(0, BLOCK)
-            xb = ahead
-            ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
+            xb = _pipelined(logits, stride_l, work, stride_w, row, wrow, offs, end)
             x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                  mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK, None, xb)
             e = _e(s, m)

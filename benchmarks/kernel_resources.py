@@ -34,16 +34,16 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
                 slots="*i32")
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
-                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, NEXT=True, ROOM=512,
-                 NPP=32, CHUNK=32768, STAGES=3)
+                 NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, ROOM=512,
+                 NPP=32, CHUNK=32768, STAGES=4)
 LISTED = ("_rank_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")  # on chunks of 8,192
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
     "logprobs": dict(LSE=True, TOPS=True),
     "top-k": dict(DRAW=False, KSEL=True, COUNT=True),
-    "penalties": dict(PEN=True),
-    "mask": dict(MSK=True),
+    "penalties": dict(PEN=True, STAGES=1),
+    "mask": dict(MSK=True, STAGES=1),
 }
 KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel",
            "_tops_kernel")

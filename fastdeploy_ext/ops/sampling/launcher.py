@@ -31,6 +31,7 @@ MAX_LOGPROBS = 32  # top logprobs per row the kernels can return (SamplingParams
 SHORT_CHUNK, LONG_CHUNK = 8192, 32768  # logits per (row, chunk) program; sample_rows picks one per call
 TOP_CANDIDATES_PER_LIST = 16  # per row, times its list's length: room for the top-logprob candidates
 TOPS_PIECE_BLOCKS = 2  # blocks per piece whose raw maximum the stats pass keeps for the top logprobs
+STATS_STAGES = 4  # the stats pass's pipelined loads: STAGES - 1 blocks of logits in flight per program (H100)
 ROUNDS_PER_SEARCH = 3  # histogram rounds that settle any threshold (shifts 19, 8, 0 over the 30-bit keys)
 TOPK_ROOM = 4096  # per top-k row at most: slots for the tokens at or above its bound (k per chunk asked for)
 # Programs per multiprocessor (on the CPU interpreter: in all) of the search, ties and draw, which share the (row,
@@ -40,6 +41,13 @@ LATE_PROGRAMS = 2
 _ERRORS = {ERR_NAN: (FloatingPointError, "logits contain NaN"),
            ERR_NONE_ALLOWED: (ValueError, "no token is allowed (every logit is -inf after the mask and the "
                                              "banned ids)")}
+
+
+def stats_stages(penalties: bool, masks: bool) -> int:
+    """The stats pass's ``STAGES``: batches with penalties or masks load their words a block ahead by hand and the
+    logits with them (1), where the compiler's pipelined logits measured slower on an H100 (penalties 128 -> 156 us,
+    masks 108 -> 120; ``docs/benchmarks.md``); else ``STATS_STAGES``."""
+    return 1 if penalties or masks else STATS_STAGES
 
 
 def has_penalties(params) -> bool:
@@ -387,7 +395,8 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
                LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()),
                COUNT=bool((flags & FLAG_TOPK).any()), PEN=bool((slots >= 0).any()),
-               MSK=bool((params[:, F_MASK] >= 0).any()), num_warps=warps)
+               MSK=bool((params[:, F_MASK] >= 0).any()),
+               STAGES=stats_stages(bool((slots >= 0).any()), bool((params[:, F_MASK] >= 0).any())), num_warps=warps)
     if tops_on:
         ops.launch(tk._tops_kernel, (n, kp), [logits, stride_l, dev_params, tpieces, cands, ccnt, stats, out, vocab,
                                               nt], BLOCK=block, TB=tb, KP=kp,
@@ -399,9 +408,9 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     if (((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0) & ((flags & (FLAG_TOPP | FLAG_MINP)) != 0)).any():
         for k in range(CANDIDATES):
             ops.launch(tk._rank_kernel, (n * late_chunks,),
-                       values + [part, stats, state, hcnt, hmass, pieces, out, vocab, n, late_chunks, late_pieces, k],
-                       CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=late_chunk // block, KP=kp, PIECE=late_piece,
-                       NPP=max(2, 1 << (late_pieces - 1).bit_length()), NEXT=k < CANDIDATES - 1, num_warps=warps)
+                       values + [stats, state, hcnt, hmass, pieces, out, vocab, n, late_chunks, late_pieces, k],
+                       NB=NUM_BUCKETS, BLOCK=block, ITERS=late_chunk // block, KP=kp, PIECE=late_piece,
+                       NGP=ngp, NPP=max(2, 1 << (late_pieces - 1).bit_length()), num_warps=warps)
     # The rows listed for the search and the draw: top-k rows the gather did not settle, rows after their candidates.
     grid, iters = (min(n * late_chunks, LATE_PROGRAMS * (sms or 1)),), late_chunk // block
     both = ((flags & FLAG_TOPK) != 0) & ((flags & FLAG_TOPP) != 0)  # top-p then searches above top-k's threshold

@@ -83,8 +83,8 @@ def reference_tokens(logits, temperature, top_k, top_p, min_p, seed, positions):
 
     Temperature 0: the arg-max. With top-k: ``argmax(log p + gumbel(u))`` over the kept tokens, stream 0. Without
     top-k, the two-level draw (:func:`group_draw`, stream 0) from the row's ``p``; with top-p and / or min-p that
-    token is candidate ``j_0``: a candidate the filters keep is the token, else the next one is the Gumbel-max over
-    the tokens ranked above it (``p`` descending, id ascending; stream ``n`` for ``j_n``), which still hold
+    token is candidate ``j_0``: a candidate the filters keep is the token, else the next one is the two-level draw
+    from the tokens ranked above it (``p`` descending, id ascending; stream ``n`` for ``j_n``), which still hold
     every kept token (both filters keep a prefix of that order), so the token is distributed as the kept ``p``
     renormalised. After :data:`CANDIDATES` rejections, the Gumbel-max over the kept tokens, stream
     ``CANDIDATES``."""
@@ -108,7 +108,7 @@ def reference_tokens(logits, temperature, top_k, top_p, min_p, seed, positions):
         tokens = np.full(positions.size, -1)
         for n in range(CANDIDATES):
             at = np.flatnonzero(tokens < 0)
-            j = group_draw(logw[at], seed, positions[at], n) if n == 0 else gumbel_max(logw[at], at, n)
+            j = group_draw(logw[at], seed, positions[at], n)
             kept = p[j] > 0
             tokens[at[kept]] = j[kept]
             ej, jj = e[j][:, None], j[:, None]

@@ -13,8 +13,8 @@ program of a pass (a ticket per row: ``_last_of_row``), so a step is one launch 
 - ``_tops_kernel`` (row, j < KP): a row's top-logprob candidates from the KP pieces with the largest raw maxima;
   the row's last program ranks them into the row's results.
 - ``_rank_kernel`` (row, chunk), up to ``CANDIDATES`` rounds: the mass ranked above a top-p / min-p row's
-  candidate and the best Gumbel score above it (the next candidate); the row's last program keeps the candidate and
-  finishes the row, or takes the next one, or after the last round hands the row to the threshold search below.
+  candidate; the row's last program keeps the candidate and finishes the row, or draws the next candidate above
+  it, or after the last round hands the row to the threshold search below.
 - ``_hist_kernel`` (row, chunk), at most three rounds per filter (top-k, and top-p after top-k or after the
   candidates): a count and a fixed-point mass histogram over the
   float32 bit patterns of ``e = exp(s - max)`` in the current key range; the row's last program finds the bucket
@@ -102,17 +102,6 @@ def _base(logits, stride_l, work, stride_w, row, wrow, offs, V):
         x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
     else:
         x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _pipelined(logits, stride_l, work, stride_w, row, wrow, offs, V):
-    """``_base`` with the raw logits' load unconditional, so that a ``tl.range`` loop with stages pipelines it
-    (asynchronous copies ahead into shared memory, where a conditional load is not); a row's working copy, where
-    it has one, is a load of its own."""
-    x = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    if wrow >= 0:
-        x = tl.load(work + wrow.to(tl.int64) * stride_w + offs, mask=offs < V, other=float("-inf"))
     return x
 
 
@@ -350,7 +339,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
                   lanes, stats, state, hcnt, hmass, pieces, out, V, C, NP, NT, CP: tl.constexpr, NB: tl.constexpr,
                   BLOCK: tl.constexpr, ITERS: tl.constexpr, KP: tl.constexpr, TOPS: tl.constexpr, TB: tl.constexpr,
                   PIECE: tl.constexpr, NGP: tl.constexpr, DRAW: tl.constexpr, LSE: tl.constexpr, KSEL: tl.constexpr,
-                  COUNT: tl.constexpr, PEN: tl.constexpr, MSK: tl.constexpr, STAGES: tl.constexpr = 3):
+                  COUNT: tl.constexpr, PEN: tl.constexpr, MSK: tl.constexpr, STAGES: tl.constexpr):
     """Per (row, chunk) the partials; the row's last program combines them (``_combine_row``), draws the token
     (or a top-p / min-p row's first candidate) of rows without top-k (``_pick_group``, ``_group_token``) and
     finishes rows that need no further pass, a first candidate kept at once (``_kept_at_once``) included. The running
@@ -393,8 +382,12 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
         lpr = tl.full([BLOCK], float("-inf"), tl.float32)
     nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
     end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
-    # Each block's logits (and presence words) are loaded while the block before it is worked on: a program keeps
-    # two blocks in flight, not one, which the loop's latency needs on an H200 (``ops/sampling/README.md``).
+    # Each block's logits (and presence / mask words) are loaded while an earlier block is worked on: a program keeps
+    # several blocks in flight, not one, which the loop's latency needs (``ops/sampling/README.md``). STAGES > 1: the
+    # compiler pipelines the raw logits' load; STAGES == 1: they are loaded one block ahead by hand, with the words.
+    ahead = None
+    if STAGES == 1:
+        ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
     words = None
     if PEN:
         words = _presence(counts, stride_c, slot, c * ITERS * BLOCK, V, BLOCK)
@@ -404,11 +397,17 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     for i in tl.range(nblk, num_stages=STAGES):
         start = (c * ITERS + i) * BLOCK
         offs = start + tl.arange(0, BLOCK)
-        # The raw logits STAGES - 1 blocks ahead (``_pipelined``); the top logprobs and the NaN check read them.
-        raw = _pipelined(logits, stride_l, work, stride_w, row, -1, offs, end)
-        xb = raw
-        if wrow >= 0:
-            xb = _base(logits, stride_l, work, stride_w, row, wrow, offs, end)
+        if STAGES == 1:
+            xb = ahead
+            ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
+        else:
+            # An unconditional load, which the compiler pipelines (asynchronous copies STAGES - 1 blocks ahead, into
+            # shared memory; a load under a branch it leaves alone): a row's working copy is a load of its own.
+            raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < end,
+                          other=float("-inf")).to(tl.float32)
+            xb = raw
+            if wrow >= 0:
+                xb = _base(logits, stride_l, work, stride_w, row, wrow, offs, end)
         wb = words
         if PEN:
             words = _presence(counts, stride_c, slot, start + BLOCK, V, BLOCK)
@@ -417,6 +416,11 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             mwords = _mask_words(bitmask, stride_m, mrow, start + BLOCK, V, BLOCK)
         x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                              slot, rep, freq, pres, inv_t, start, V, BLOCK, wb, xb, mb)
+        if STAGES == 1:
+            raw = x
+            if wrow >= 0:
+                raw = tl.load(logits + row.to(tl.int64) * stride_l + offs, mask=offs < V,
+                              other=float("-inf")).to(tl.float32)
         lnan = tl.maximum(lnan, raw, propagate_nan=tl.PropagateNan.ALL)  # NaN once a lane sees one
         if COUNT:
             lcnt += (s > float("-inf")).to(tl.int32)
@@ -488,7 +492,7 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
             st = state + r * NUM_STATE
             g = _pick_group(pieces, pieces + R * NP, r, NP, V, m, k0, k1, pos, 0, PIECE, NGP)
             cand = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
-                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, m, BLOCK)
+                                mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos, 0, m, 0, -1, BLOCK)
             tl.store(st + ST_CAND, cand.to(tl.int64))
             if (flags & (FLAG_TOPP | FLAG_MINP)) != 0:
                 _, s1 = _values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
@@ -603,7 +607,7 @@ def _combine_row(prm, part, stats, state, hcnt, hmass, r, C, CP: tl.constexpr, N
 def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexpr, NGP: tl.constexpr):
     """The two-level draw's group: the Gumbel-max (group noise of ``stream``) of the groups' log-masses relative to
     the row's maximum ``m``, each combined from its pieces' (maximum, sum of exp(s - maximum)) in ``pmax`` / ``psum``
-    (row ``r``, ``NP`` pieces of PIECE tokens).
+    (row ``r``, ``NP`` pieces of PIECE tokens; ``psum`` alone with ``pmax`` None: plain masses of ``exp(s - m)``).
     Every draw adds its noise to values relative to ``m``, near 0 for the likely ones, where float32 keeps the noise
     at any magnitude of the logits (at -3e38 it would add nothing)."""
     GP: tl.constexpr = GROUP // PIECE
@@ -612,10 +616,13 @@ def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexp
     idx = g[:, None] * GP + k[None, :]
     ok = idx < NP
     ps = tl.load(psum + r * NP + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(pm, 1)
-    mass = tl.sum(tl.where(pm > float("-inf"), ps * _exp(pm - top[:, None]), 0.0), 1)
-    lse = tl.where(top > float("-inf"), (top - m) + tl.log(mass), float("-inf"))
+    if pmax is None:
+        lse = tl.log(tl.sum(ps, 1))
+    else:
+        pm = tl.load(pmax + r * NP + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(pm, 1)
+        mass = tl.sum(tl.where(pm > float("-inf"), ps * _exp(pm - top[:, None]), 0.0), 1)
+        lse = tl.where(top > float("-inf"), (top - m) + tl.log(mass), float("-inf"))
     score = tl.where(g < tl.cdiv(V, GROUP), lse + _gumbel(k0, k1, pos, 0, stream, NGP, 1), float("-inf"))
     best = tl.max(score, 0)
     return tl.min(tl.where(score == best, g, NGP), 0)
@@ -623,24 +630,26 @@ def _pick_group(pmax, psum, r, NP, V, m, k0, k1, pos, stream, PIECE: tl.constexp
 
 @triton.jit
 def _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow, slot, rep,
-                 freq, pres, inv_t, g, V, k0, k1, pos, stream, m, BLOCK: tl.constexpr):
-    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens. The best score is
-    kept per lane and reduced once: the tail of the row's last program is serial, and two block reductions per block
-    were most of it."""
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    bid = tl.full([BLOCK], BIG, tl.int32)
+                 freq, pres, inv_t, g, V, k0, k1, pos, stream, m, bkey, bound, BLOCK: tl.constexpr):
+    """The Gumbel-max (token noise of ``stream``) of ``s - m`` over group ``g``'s allowed tokens; with ``bound`` >= 0
+    only those ranked above token ``bound`` (``key(exp(s - m))`` above ``bkey``, or equal and a lower id)."""
+    best = float("-inf")
+    bid = BIG
     for b in range(tl.cdiv(tl.minimum(V - g * GROUP, GROUP), BLOCK)):
         start = g * GROUP + b * BLOCK
         offs = start + tl.arange(0, BLOCK)
         x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow, mrow,
                              slot, rep, freq, pres, inv_t, start, V, BLOCK)
         keep = (s > float("-inf")) & (offs < V)
+        if bound >= 0:
+            key = _e(s, m).to(tl.int32, bitcast=True)
+            keep = keep & ((key > bkey) | ((key == bkey) & (offs < bound)))
         score = tl.where(keep, (s - m) + _gumbel(k0, k1, pos, start, stream, BLOCK), float("-inf"))
-        up = score > best  # strictly: a lane keeps its first (lowest) id among equal scores
-        bid = tl.where(up, offs, bid)
-        best = tl.where(up, score, best)
-    top = tl.max(best, 0)
-    return tl.min(tl.where(best == top, bid, BIG), 0)
+        bm = tl.max(score, 0)
+        bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
+        bid = tl.where(bm > best, bidx, bid)
+        best = tl.maximum(best, bm)
+    return bid
 
 
 @triton.jit
@@ -663,38 +672,16 @@ def _start_search(state, hcnt, hmass, r, phase, target, NB: tl.constexpr):
 
 
 @triton.jit
-def _store_best(part, r, c, R, C, best, bid):
-    """Chunk ``c``'s best Gumbel score and its token into row ``r``'s partials (``_best_chunk`` reads them)."""
-    tl.store(part + P_BEST * R * C + r * C + c, best)
-    tl.store(part + P_BID * R * C + r * C + c, bid.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _best_chunk(part, r, R, C, CP: tl.constexpr):
-    """The token of row ``r``'s best chunk score (the lowest id among equal scores): a Gumbel-max drawn by chunks."""
-    cs = tl.arange(0, CP)
-    cm = cs < C
-    pb = tl.load(part + P_BEST * R * C + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
-    pi = tl.load(part + P_BID * R * C + r * C + cs, mask=cm, other=0.0, cache_modifier=".cg").to(tl.int32,
-                                                                                                 bitcast=True)
-    return tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
-
-
-@triton.jit
-def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, part, stats, state,
-                 hcnt, hmass, pieces, out, V, R, C, NP, k, CP: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr, KP: tl.constexpr, PIECE: tl.constexpr, NPP: tl.constexpr,
-                 NEXT: tl.constexpr, STAGES: tl.constexpr = 3):
+def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, prm, stats, state, hcnt,
+                 hmass, pieces, out, V, R, C, NP, k, NB: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                 KP: tl.constexpr, PIECE: tl.constexpr, NGP: tl.constexpr, NPP: tl.constexpr):
     """Round ``k`` of the rank test of a top-p / min-p row's candidate ``j`` (the ``C`` chunks of each row of work
     list ``k``): per piece the masses of the allowed tokens ranked above ``j`` (``e`` descending, id ascending) and
     of all of them.
-    ``NEXT`` (every round but the last): each chunk also keeps the best ``(s - m) + G`` of its tokens ranked above
-    ``j`` (Gumbel noise of the row's next stream, ``k + 1``), the next candidate should ``j`` be rejected, so that
-    the row's last program only picks the best chunk instead of drawing over a group of tokens alone, a tail nothing
-    overlaps.
     The row's last program keeps ``j`` when the mass above it is short of top-p's target and ``e_j >= min_p``, and
-    finishes the row; else it takes the next candidate and lists the row for the next round, or after the last round
-    sets up the threshold search and ``_draw_kernel`` and lists the row for them."""
+    finishes the row; else it draws the next candidate from the tokens above ``j`` (the two-level draw over those
+    masses) and lists the row for the next round, or after the last round sets up the threshold search and
+    ``_draw_kernel`` and lists the row for them."""
     # One item per program (a loop over items would cost 33 registers: 4 programs per SM instead of 5, which the
     # first round, where every row may be listed, needs); the listed items are the grid's first programs.
     i = tl.program_id(0)
@@ -710,20 +697,14 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
         kc = tl.max(_e(s1, m).to(tl.int32, bitcast=True), 0)
         fa = tl.zeros([BLOCK], tl.float32)
         ft = tl.zeros([BLOCK], tl.float32)
-        p = prm + r * NUM_FIELDS
-        if NEXT:
-            k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
-            k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
-            pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
-            nstream = (tl.load(st + ST_RND) + 1).to(tl.uint32)  # k + 1: the row's draws so far
-            lbest = tl.full([BLOCK], float("-inf"), tl.float32)
-            lbid = tl.full([BLOCK], BIG, tl.int32)
         nblk = tl.minimum(ITERS, tl.cdiv(V - c * ITERS * BLOCK, BLOCK))
         end = tl.minimum(V, (c * ITERS + nblk) * BLOCK)
-        for b in tl.range(nblk, num_stages=STAGES):
+        ahead = _base(logits, stride_l, work, stride_w, row, wrow, c * ITERS * BLOCK + tl.arange(0, BLOCK), end)
+        for b in range(nblk):
             start = (c * ITERS + b) * BLOCK
             offs = start + tl.arange(0, BLOCK)
-            xb = _pipelined(logits, stride_l, work, stride_w, row, wrow, offs, end)
+            xb = ahead
+            ahead = _base(logits, stride_l, work, stride_w, row, wrow, offs + BLOCK, end)
             x, s = _block_values(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row, wrow,
                                  mrow, slot, rep, freq, pres, inv_t, start, V, BLOCK, None, xb)
             e = _e(s, m)
@@ -732,26 +713,17 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
             up = ok & ((key > kc) | ((key == kc) & (offs < cand)))
             fa += tl.where(up, e, 0.0)
             ft += tl.where(ok, e, 0.0)
-            if NEXT:
-                # Per lane the best score and its first id (the blocks go up in id), reduced once at the end.
-                score = tl.where(up, (s - m) + _gumbel(k0, k1, pos, start, nstream, BLOCK),
-                                 float("-inf"))
-                better = score > lbest
-                lbid = tl.where(better, offs, lbid)
-                lbest = tl.where(better, score, lbest)
             if (((b + 1) % (PIECE // BLOCK)) == 0) | (b == nblk - 1):
                 tl.store(pieces + (R + r) * NP + start // PIECE, tl.sum(fa, 0))
                 tl.store(pieces + r * NP + start // PIECE, tl.sum(ft, 0))
                 fa = tl.zeros([BLOCK], tl.float32)
                 ft = tl.zeros([BLOCK], tl.float32)
-        if NEXT:
-            best = tl.max(lbest, 0)
-            _store_best(part, r, c, R, C, best, tl.min(tl.where(lbest == best, lbid, BIG), 0))
         if _last_of_row(prm, r, R, C):
             # Sums per piece in a fixed order: the same on any grid whose pieces are the same.
             js = tl.arange(0, NPP)
             a = tl.sum(tl.load(pieces + (R + r) * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
             t = tl.sum(tl.load(pieces + r * NP + js, mask=js < NP, other=0.0, cache_modifier=".cg"), 0)
+            p = prm + r * NUM_FIELDS
             flags = tl.load(p + F_FLAGS)
             top_p = tl.load(p + F_TOP_P).to(tl.float32, bitcast=True)
             keep = kc.to(tl.float32, bitcast=True) >= tl.load(p + F_MIN_P).to(tl.float32, bitcast=True)
@@ -763,11 +735,7 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 _finish_row(logits, stride_l, counts, stride_c, prm, out, r, cand, 0,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
-            elif NEXT:
-                tl.store(st + ST_CAND, _best_chunk(part, r, R, C, CP).to(tl.int64))
-                tl.store(st + ST_RND, stream)
-                _append(prm, R, k + 1, r)
-            else:
+            elif k == LIST_LATE - 1:
                 tl.store(st + ST_PEND, tl.full([], PEND_NONE, tl.int64))
                 tl.store(st + ST_RND, stream)
                 tl.store(st + ST_DRAW, tl.full([], 1, tl.int64))
@@ -775,6 +743,17 @@ def _rank_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                     _start_search(state, hcnt, hmass, r, tl.full([], PHASE_P, tl.int64), tl.full([], -1, tl.int64),
                                   NB)
                 _append(prm, R, LIST_LATE, r)
+            else:
+                k0 = tl.load(p + F_SEED_LO).to(tl.uint32, bitcast=True)
+                k1 = tl.load(p + F_SEED_HI).to(tl.uint32, bitcast=True)
+                pos = tl.load(p + F_POS).to(tl.uint32, bitcast=True)
+                g = _pick_group(None, pieces + R * NP, r, NP, V, m, k0, k1, pos, stream.to(tl.uint32), PIECE, NGP)
+                nxt = _group_token(logits, stride_l, work, stride_w, bitmask, stride_m, counts, stride_c, row,
+                                   wrow, mrow, slot, rep, freq, pres, inv_t, g, V, k0, k1, pos,
+                                   stream.to(tl.uint32), m, kc, cand, BLOCK)
+                tl.store(st + ST_CAND, nxt.to(tl.int64))
+                tl.store(st + ST_RND, stream)
+                _append(prm, R, k + 1, r)
 
 
 @triton.jit
@@ -1047,9 +1026,17 @@ def _draw_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, st
                     bidx = tl.min(tl.where(score == bm, offs, BIG), 0)
                     bid = tl.where(bm > best, bidx, bid)
                     best = tl.maximum(best, bm)
-            _store_best(part, r, c, R, C, best, bid)
+            plane = R * C
+            tl.store(part + P_BEST * plane + r * C + c, best)
+            tl.store(part + P_BID * plane + r * C + c, bid.to(tl.float32, bitcast=True))
             if _last_of_row(prm, r, R, C):
-                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, _best_chunk(part, r, R, C, CP), err,
+                cs = tl.arange(0, CP)
+                cm = cs < C
+                pb = tl.load(part + P_BEST * plane + r * C + cs, mask=cm, other=float("-inf"), cache_modifier=".cg")
+                pi = tl.load(part + P_BID * plane + r * C + cs, mask=cm, other=0.0,
+                             cache_modifier=".cg").to(tl.int32, bitcast=True)
+                token = tl.min(tl.where((pb == tl.max(pb, 0)) & cm, pi, BIG), 0)
+                _finish_row(logits, stride_l, counts, stride_c, prm, out, r, token, err,
                             tl.load(stats + S_RMAX * R + r), tl.load(stats + S_LSE * R + r), V, KP)
 
 

@@ -353,7 +353,8 @@ def _stats_kernel(logits, stride_l, work, stride_w, bitmask, stride_m, counts, s
     with the logits (the counts' loads wait for them; the words cost registers). Rows that draw here need the row's
     maximum but not its id (the draw picks the token): the pieces' running maxima give it, so their tokens pay for one
     running maximum, not two. ``TOPS``: rows with top logprobs store the largest raw logit of each ``TB`` blocks
-    (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count."""
+    (``tpieces``, for ``_tops_kernel``) and their last program zeroes the row's candidate count. ``STAGES``: the
+    raw logits' pipeline depth (``launcher.stats_stages``; 1: loaded a block ahead by hand)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, wrow, mrow, slot, rep, freq, pres, inv_t = _row_params(prm, r)

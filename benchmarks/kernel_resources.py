@@ -35,15 +35,15 @@ POINTERS = dict(logits="*fp32", work="*fp32", bitmask="*i32", counts="*i32", prm
 DIVISIBLE = ("stride_l", "stride_w", "stride_c", "V")  # 200,064 and the padded counts rows are multiples of 16
 CONSTANTS = dict(CP=8, NB=2048, BLOCK=1024, ITERS=32, KP=8, TOPS=False, CAND=128, TB=2, NTP=128, PIECE=8192,
                  NGP=32, DRAW=True, LSE=False, KSEL=False, COUNT=False, PEN=False, MSK=False, ROOM=512,
-                 NPP=32, CHUNK=32768, STAGES=4)
+                 NPP=32, CHUNK=32768)
 LISTED = ("_rank_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel")  # on chunks of 8,192
 VARIANTS = {  # the stats kernel's specialisation per kind of batch
     "greedy": dict(DRAW=False),
     "t=1": dict(),
     "logprobs": dict(LSE=True, TOPS=True),
     "top-k": dict(DRAW=False, KSEL=True, COUNT=True),
-    "penalties": dict(PEN=True, STAGES=1),
-    "mask": dict(MSK=True, STAGES=1),
+    "penalties": dict(PEN=True),
+    "mask": dict(MSK=True),
 }
 KERNELS = ("_stats_kernel", "_rank_kernel", "_gather_kernel", "_hist_kernel", "_ties_kernel", "_draw_kernel",
            "_tops_kernel")
@@ -119,12 +119,14 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", type=int, default=0, metavar="N", help="also print each kernel's N largest loops")
     args = ap.parse_args(argv)
     from fastdeploy_ext.ops.sampling import triton_kernels as tk
+    from fastdeploy_ext.ops.sampling.launcher import stats_stages
 
     jobs = [(f"_stats_kernel [{v}]", "_stats_kernel", VARIANTS[v]) for v in args.variant]
     jobs += [(name, name, {"CHUNK": 8192, "NPP": 32} if name in LISTED else {}) for name in KERNELS[1:]]
     print(f"{'kernel':<28} {'regs':>4} {'prog/SM':>7} " + " ".join(f"{c:>6}" for c in COUNTED), flush=True)
     for label, name, extra in jobs:
         constants = {**CONSTANTS, **extra}
+        constants["STAGES"] = stats_stages(constants["PEN"], constants["MSK"])  # as sample_rows picks it
         constants.update(BLOCK=args.block, ITERS=constants["CHUNK"] // args.block)
         cubin, sass = compile_sm90(getattr(tk, name), constants, args.warps, args.maxnreg)
         regs, ops = resources(cubin, sass)

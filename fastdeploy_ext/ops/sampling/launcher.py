@@ -389,14 +389,14 @@ def sample_rows(logits, batch: SamplingBatch, counts: PenaltyCounts | None = Non
     picks = ops.empty([n * chunks * block if gathered.any() else 1], "int32", logits)
     values = [logits, stride_l, work, stride_w, bitmask, stride_m, table, stride_c, dev_params]
     grid = (n, chunks)
+    pen, msk = bool((slots >= 0).any()), bool((params[:, F_MASK] >= 0).any())
     ops.launch(tk._stats_kernel, grid, values + [part, tpieces, ccnt, lanes, stats, state, hcnt, hmass, pieces, out,
                                                  vocab, chunks, num_pieces, nt],
                CP=cp, NB=NUM_BUCKETS, BLOCK=block, ITERS=iters, KP=kp, TOPS=tops_on, TB=tb,
                PIECE=piece, NGP=ngp, DRAW=bool(((flags & (FLAG_GREEDY | FLAG_TOPK)) == 0).any()),
                LSE=bool((params[:, F_NLP] >= 0).any()), KSEL=bool(gathered.any()),
-               COUNT=bool((flags & FLAG_TOPK).any()), PEN=bool((slots >= 0).any()),
-               MSK=bool((params[:, F_MASK] >= 0).any()),
-               STAGES=stats_stages(bool((slots >= 0).any()), bool((params[:, F_MASK] >= 0).any())), num_warps=warps)
+               COUNT=bool((flags & FLAG_TOPK).any()), PEN=pen, MSK=msk, STAGES=stats_stages(pen, msk),
+               num_warps=warps)
     if tops_on:
         ops.launch(tk._tops_kernel, (n, kp), [logits, stride_l, dev_params, tpieces, cands, ccnt, stats, out, vocab,
                                               nt], BLOCK=block, TB=tb, KP=kp,
